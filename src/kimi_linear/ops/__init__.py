@@ -1,0 +1,19 @@
+"""Kimi Delta Attention operators, with fla-core 0.6's names and arguments (``from fla.ops.kda import ...``)."""
+
+from .checks import KDAShape, check_kda_inputs
+from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
+from .gate import fused_kda_gate, l2norm
+from .recurrent import fused_recurrent_kda
+from .reference import naive_recurrent_kda
+
+__all__ = [
+    "CHUNK_SIZE",
+    "KDAShape",
+    "check_kda_inputs",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
+    "fused_kda_gate",
+    "fused_recurrent_kda",
+    "l2norm",
+    "naive_recurrent_kda",
+]

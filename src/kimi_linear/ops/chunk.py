@@ -1,0 +1,140 @@
+"""Chunkwise KDA (SPEC section 2) in PyTorch: prefill and training on any device torch supports."""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import KDAShape, check_kda_inputs
+from .gate import apply_kernel_options
+from .intra import decayed_scores, reverse_exclusive_cumsum, wy_representation
+from .layout import SequenceLayout
+from .scan import ChunkStateScan
+
+CHUNK_SIZE = 64
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 inputs compute in float64 (tests); everything else in float32 (the state's dtype)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
+    """[B, T, H, X] -> [B, T, HV, X]: value head j reads q/k head j // (HV // H)."""
+    H = x.shape[2]
+    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
+
+
+def delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    shape: KDAShape,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunkwise algorithm on validated, already-transformed inputs; returns (o in float32/64, S_final).
+
+    Works on rows ``[N, HV, NC, C, *]``: all intra-chunk work is batched over every chunk at once; only the state
+    passes from chunk to chunk (:class:`ChunkStateScan`).
+    """
+    s, C = shape, chunk_size
+    dtype = compute_dtype(q)
+    layout = SequenceLayout(s.B, s.T, cu_seqlens, C, q.device)
+    NC = layout.L // C
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, HV, X] -> [N, HV, NC, C, X]
+        x = layout.to_rows(x.to(dtype))
+        return x.reshape(s.N, NC, C, s.HV, -1).permute(0, 3, 1, 2, 4)
+
+    qc, kc = rows(expand_heads(q, s.HV)), rows(expand_heads(k, s.HV))
+    vc, gc = rows(v), rows(g)
+    bc = rows(beta.unsqueeze(-1)).squeeze(-1)                                  # [N, HV, NC, C]
+
+    G = gc.cumsum(-2)                                                          # G_i from the chunk start
+    k_start = kc * G.exp()                                                     # k_i * exp(G_i)
+    k_end = kc * reverse_exclusive_cumsum(gc).exp()                            # k_j * exp(G_C - G_j)
+    decay = G[..., -1, :].exp()                                                # exp(G_C)  [N, HV, NC, K]
+    A_qk, A_kk = decayed_scores(qc, kc, gc)
+    W, U = wy_representation(A_kk, k_start, vc, bc)
+
+    S0 = qc.new_zeros(s.N, s.HV, s.K, s.V) if initial_state is None else initial_state.to(dtype)
+    S_starts, Delta, S_final = ChunkStateScan.apply(W, U, k_end, decay, S0)
+    o = scale * ((qc * G.exp()) @ S_starts + A_qk @ Delta)                     # [N, HV, NC, C, V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(s.N, layout.L, s.HV, s.V)
+    return layout.from_rows(o), S_final
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    allow_neg_eigval: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention, chunkwise (chunk 64); differentiable in every tensor input.
+
+    Args (fla-core 0.6 names and layout):
+        q, k: [B, T, H, K]. v: [B, T, HV, V], HV a multiple of H (value head j uses q/k head j // (HV // H)).
+        g: [B, T, HV, K] log decay (<= 0), or the raw gate when ``use_gate_in_kernel``.
+        beta: [B, T, HV] write strength, or its logits when ``use_beta_sigmoid_in_kernel``.
+        scale: query scale, default K^-1/2.
+        initial_state: [N, HV, K, V] float32, N = B or the number of packed sequences.
+        output_final_state: also return the final state [N, HV, K, V] float32.
+        use_qk_l2norm_in_kernel: l2-normalise q and k per head first.
+        use_gate_in_kernel: ``g <- fused_kda_gate(g, A_log, dt_bias, lower_bound)``.
+        use_beta_sigmoid_in_kernel: ``beta <- sigmoid(beta)`` (``2 * sigmoid`` with ``allow_neg_eigval``).
+        cu_seqlens: [N+1] int offsets of packed sequences (B must be 1), one state per sequence.
+
+    Returns ``(o, final_state)``: o [B, T, HV, V] in q's dtype; final_state or None.
+    """
+    shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    scale = shape.K ** -0.5 if scale is None else scale
+    out_dtype = q.dtype
+    q, k, g, beta = apply_kernel_options(
+        q, k, g, beta,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+    )
+    o, final = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens)
+    return o.to(out_dtype), (final.float() if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated DeltaNet: KDA with one scalar log decay per head and step, ``g: [B, T, HV]``.
+
+    Same contract as :func:`chunk_kda` otherwise; the scalar gate is broadcast over the key channels.
+    """
+    if isinstance(g, torch.Tensor) and isinstance(q, torch.Tensor):
+        check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scalar_gate=True)
+        g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens)

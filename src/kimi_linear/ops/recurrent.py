@@ -1,0 +1,83 @@
+"""Token-by-token KDA for decoding (SPEC section 1), with in-place updates of a serving engine's state pool."""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_kda_inputs
+from .chunk import compute_dtype, expand_heads
+from .gate import apply_kernel_options
+from .layout import SequenceLayout
+
+
+def recurrent_step(
+    S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch of states. S: [N, HV, K, V]; q (already scaled), k, g: [N, HV, K]; v: [N, HV, V];
+    beta: [N, HV]. Returns (o [N, HV, V], S_new)."""
+    S = S * g.exp()[..., None]
+    err = v - (k.unsqueeze(-2) @ S).squeeze(-2)                           # v - S^T k
+    S = S + (beta[..., None] * k).unsqueeze(-1) * err.unsqueeze(-2)
+    o = (q.unsqueeze(-2) @ S).squeeze(-2)
+    return o, S
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    allow_neg_eigval: bool = False,
+    state_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA one token at a time: the decode path. Same contract as :func:`~kimi_linear.ops.chunk_kda`, plus:
+
+    state_indices: [N] int. When given, ``initial_state`` is a state pool ``[num_slots, HV, K, V]`` float32;
+        sequence n starts from row ``state_indices[n]`` and its final state is written back into that row in
+        place. Rows not named are not touched. The returned final state is then the pool itself (or None).
+    """
+    shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_indices=state_indices)
+    s = shape
+    scale = s.K ** -0.5 if scale is None else scale
+    out_dtype = q.dtype
+    q, k, g, beta = apply_kernel_options(
+        q, k, g, beta,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+    )
+    dtype = compute_dtype(q)
+    layout = SequenceLayout(s.B, s.T, cu_seqlens, 1, q.device)
+    rows = lambda x: layout.to_rows(x.to(dtype))                          # [N, L, ...]
+    qr, kr = rows(expand_heads(q, s.HV)) * scale, rows(expand_heads(k, s.HV))
+    vr, gr, br = rows(v), rows(g), rows(beta)
+
+    if state_indices is not None:
+        S = initial_state[state_indices].to(dtype)
+    elif initial_state is not None:
+        S = initial_state.to(dtype)
+    else:
+        S = qr.new_zeros(s.N, s.HV, s.K, s.V)
+    # Padding steps are exact no-ops (k = v = beta = g = 0), so ragged sequences need no masking.
+    outs = []
+    for t in range(layout.L if s.T > 0 else 0):
+        o_t, S = recurrent_step(S, qr[:, t], kr[:, t], vr[:, t], gr[:, t], br[:, t])
+        outs.append(o_t)
+    o = torch.stack(outs, dim=1) if outs else vr.new_zeros(s.N, 0, s.HV, s.V)
+    o = layout.from_rows(o).to(out_dtype)
+
+    if state_indices is not None:
+        initial_state[state_indices] = S.to(initial_state.dtype)
+        return o, (initial_state if output_final_state else None)
+    return o, (S.float() if output_final_state else None)
