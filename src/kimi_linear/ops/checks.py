@@ -108,7 +108,8 @@ def check_kda_inputs(
     if initial_state is not None:
         _need_tensor("initial_state", initial_state)
         if initial_state.dtype != torch.float32:
-            raise TypeError(f"`initial_state` must be float32 (the state is kept in float32), got {initial_state.dtype}")
+            raise TypeError(f"`initial_state` must be float32 (the state is kept in float32), "
+                            f"got {initial_state.dtype}")
         rows = initial_state.shape[0] if state_indices is not None and initial_state.ndim == 4 else N
         if tuple(initial_state.shape) != (rows, HV, K, V):
             what = "num_slots" if state_indices is not None else "N"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .backend import triton_op
 from .checks import KDAShape, check_kda_inputs
 from .gate import apply_kernel_options
 from .intra import decayed_scores, reverse_exclusive_cumsum, wy_representation
@@ -105,6 +106,12 @@ def chunk_kda(
     """
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = shape.K ** -0.5 if scale is None else scale
+    fast = triton_op("chunk_kda", q)
+    if fast is not None:
+        return fast(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=lower_bound, cu_seqlens=cu_seqlens, allow_neg_eigval=allow_neg_eigval)
     out_dtype = q.dtype
     q, k, g, beta = apply_kernel_options(
         q, k, g, beta,

@@ -13,7 +13,7 @@ small batched matmul per level (b = C/2, C/4, ..., 1) and O(C K) element-wise wo
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -25,14 +25,14 @@ def reverse_exclusive_cumsum(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
     return shifted.flip(dim).cumsum(dim).flip(dim)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _levels(C: int) -> tuple[int, ...]:
     if C & (C - 1):
         raise ValueError(f"chunk size must be a power of two, got {C}")
     return tuple(C >> s for s in range(1, C.bit_length()))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _block_index(C: int, device: torch.device) -> torch.Tensor:
     """Flat ``i * C + j`` positions of every off-diagonal block entry, level by level, then the diagonal."""
     parts = []
@@ -56,8 +56,7 @@ def decayed_scores(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[t
     qk_vals, kk_vals = [], []
     for b in _levels(C):
         P = C // (2 * b)
-        split = lambda x: x.reshape(*lead, P, 2, b, K)
-        q2, k2, g2 = split(q), split(k), split(g)
+        q2, k2, g2 = (x.reshape(*lead, P, 2, b, K) for x in (q, k, g))
         row_decay = g2[..., 1, :, :].cumsum(-2).exp()                        # exp(G_i - G_r), i after r  [.., P, b, K]
         col_decay = reverse_exclusive_cumsum(g2[..., 0, :, :]).exp()         # exp(G_r - G_j), j up to r  [.., P, b, K]
         rows = torch.cat([q2[..., 1, :, :], k2[..., 1, :, :]], dim=-2) * row_decay.repeat(*([1] * len(lead)), 1, 2, 1)
