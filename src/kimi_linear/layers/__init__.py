@@ -1,1 +1,24 @@
-"""Placeholder; see the issue tracker."""
+"""Kimi Linear layers: the KDA block, NoPE MLA with a latent cache, the sigmoid-routed MoE, SwiGLU MLP, RMSNorm.
+
+Each is a small ``nn.Module`` whose parameter names are the checkpoint's; the KDA block calls
+:mod:`kimi_linear.ops`, so it runs the GPU kernels when they are available.
+"""
+
+from .kda import KDAState, KimiDeltaAttention
+from .mla import LatentCache, NoPEMLA
+from .mlp import SwiGLUMLP
+from .moe import Expert, SigmoidTopKRouter, SparseMoE
+from .norm import GatedRMSNorm, RMSNorm
+
+__all__ = [
+    "Expert",
+    "GatedRMSNorm",
+    "KDAState",
+    "KimiDeltaAttention",
+    "LatentCache",
+    "NoPEMLA",
+    "RMSNorm",
+    "SigmoidTopKRouter",
+    "SparseMoE",
+    "SwiGLUMLP",
+]

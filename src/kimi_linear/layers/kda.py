@@ -1,0 +1,122 @@
+"""The KDA attention block of Kimi Linear (SPEC section 3), with its fixed-size decoding state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimi_linear.ops import chunk_kda, fused_recurrent_kda
+
+from .norm import GatedRMSNorm
+
+
+@dataclass
+class KDAState:
+    """Decoding state of one KDA layer for a batch; its size does not depend on the context length.
+
+    conv: [B, 3*H*d, W-1] the last W-1 projected q|k|v inputs (model dtype). W-1 is all a width-W causal
+        convolution needs to continue; storing a W-th column would only duplicate data.
+    recurrent: [B, H, d, d] float32 delta-rule memory.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (for beam search / dropping finished sequences)."""
+        self.conv = self.conv[rows]
+        self.recurrent = self.recurrent[rows]
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA block: projections, short conv, gates, the KDA operator, gated norm, output projection.
+
+    Parameter names are the checkpoint's (``self_attn.*`` in SPEC section 4).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads, self.head_dim, self.conv_size = hidden_size, num_heads, head_dim, conv_size
+        width = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(hidden_size, width, bias=False)
+        self.q_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
+        self.k_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
+        self.v_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
+        # Low-rank forget gate (rank = head_dim), per-channel bias and per-head decay rate, both float32.
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        # Low-rank output gate.
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps=eps)
+        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+
+    def empty_state(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> KDAState:
+        """A zero state: what a sequence starts from."""
+        H, d = self.num_heads, self.head_dim
+        return KDAState(
+            conv=torch.zeros(batch_size, 3 * H * d, self.conv_size - 1, dtype=dtype, device=device),
+            recurrent=torch.zeros(batch_size, H, d, d, dtype=torch.float32, device=device),
+        )
+
+    def _conv(self, x: torch.Tensor, state: KDAState | None) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over q|k|v. x: [B, T, 3*H*d] -> same shape; updates ``state.conv``."""
+        B, T, C = x.shape
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).to(x.dtype)  # [C,1,W]
+        xt = x.transpose(1, 2)                                                                  # [B, C, T]
+        past = state.conv if state is not None else x.new_zeros(B, C, self.conv_size - 1)
+        full = torch.cat([past.to(x.dtype), xt], dim=-1)                                        # [B, C, W-1+T]
+        if state is not None:
+            state.conv = full[..., full.shape[-1] - (self.conv_size - 1) :].contiguous()
+        if T == 1:  # decode: one dot product per channel, cheaper than a conv launch
+            y = (full * w[:, 0]).sum(-1, keepdim=True)
+        else:
+            y = F.conv1d(full, w, groups=C)
+        return F.silu(y).transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, state: KDAState | None = None, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D].
+
+        state: updated in place when given (conv window and recurrent memory); ``None`` runs a stand-alone prefill.
+        padding_mask: [B, T] bool/int, 0 at padding. Padding inputs are zeroed, so with k = v = 0 they neither
+            write into the memory nor into the conv window of later tokens: a left-padded row computes exactly what
+            the same row computes alone.
+        """
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        if padding_mask is not None:
+            x = x * padding_mask[..., None].to(x.dtype)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q, k, v = self._conv(qkv, state).view(B, T, 3, H, d).unbind(2)
+        g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, d)
+        beta_raw = self.b_proj(x)
+        kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
+        o, final = kda(
+            q, k, v, g_raw, beta_raw,
+            scale=d**-0.5,
+            initial_state=state.recurrent if state is not None else None,
+            output_final_state=state is not None,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+        )
+        if state is not None:
+            state.recurrent = final
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, d)
+        o = self.o_norm(o, gate).reshape(B, T, H * d)
+        return self.o_proj(o)

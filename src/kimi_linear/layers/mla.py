@@ -1,0 +1,141 @@
+"""NoPE Multi-head Latent Attention (SPEC section 4) with a cache of the 576-wide latent, not expanded keys."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import RMSNorm
+
+
+class LatentCache:
+    """Growing per-token cache of one MLA layer: ``[normed latent | k_rope]`` per token, one row per sequence.
+
+    Stored in a buffer whose capacity doubles, so appending one token is O(1) amortised instead of a full copy.
+    """
+
+    def __init__(self, batch_size: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buf = torch.empty(batch_size, 0, width, dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, width] -> every cached entry so far, [B, length, width] (a view)."""
+        T = x.shape[1]
+        need = self.length + T
+        if need > self.buf.shape[1]:
+            cap = max(need, 2 * self.buf.shape[1], 16)
+            grown = self.buf.new_empty(self.buf.shape[0], cap, self.buf.shape[2])
+            grown[:, : self.length] = self.buf[:, : self.length]
+            self.buf = grown
+        self.buf[:, self.length : need] = x
+        self.length = need
+        return self.buf[:, :need]
+
+    def nbytes(self) -> int:
+        """Bytes of the cached tokens (not the spare capacity)."""
+        return self.buf.shape[0] * self.length * self.buf.shape[2] * self.buf.element_size()
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.buf = self.buf[rows]
+
+
+class NoPEMLA(nn.Module):
+    """MLA without positional encoding: the ``k_rope`` slice is shared by all heads and never rotated.
+
+    Prefill expands the latent into per-head keys and values and calls SDPA; a single-token step uses the
+    "absorbed" form (``q_nope`` is mapped into latent space through ``kv_b_proj``) so each step costs
+    O(context * latent) instead of re-expanding the whole cache.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        bias: bool = False,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.scale = self.qk_dim**-0.5
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_dim, bias=False)
+        self.q_lora_rank = q_lora_rank
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+
+    @property
+    def cache_width(self) -> int:
+        """Entries cached per token: latent + shared rope key (576 for Kimi-Linear-48B)."""
+        return self.kv_lora_rank + self.rope
+
+    def empty_cache(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
+        return LatentCache(batch_size, self.cache_width, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LatentCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D].
+
+        cache: appended to in place when given. attn_mask: bool [B, 1, T, L] (True = may attend) over all L cached
+            keys, or None for a plain causal mask with no past and no padding (the model builds it).
+        """
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.qk_dim).transpose(1, 2)                           # [B, H, T, qk]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
+        if cache is not None:
+            entry = cache.append(entry)                                            # [B, L, 576]
+        if T == 1 and cache is not None:
+            out = self._absorbed(q, entry, attn_mask)
+        else:
+            out = self._expanded(q, entry, attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
+
+    def _expanded(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Prefill: expand every cached latent into per-head keys and values. Returns [B, H, T, v]."""
+        B, L, _ = entry.shape
+        H = self.num_heads
+        latent, k_rope = entry.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(latent).view(B, L, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None].expand(B, H, L, self.rope)], dim=-1)
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
+
+    def _absorbed(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """One query per row against the latent cache. q: [B, H, 1, qk]; entry: [B, L, 576]. Returns [B, H, 1, v]."""
+        H = self.num_heads
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope :]                            # [H, nope|v, C]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        # [B, H, 1, C | rope]: the query expressed in the cache's own coordinates.
+        q_lat = torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1)
+        scores = (q_lat @ entry[:, None].transpose(-1, -2)).float() * self.scale    # [B, H, 1, L]
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        p = scores.softmax(-1).to(entry.dtype)
+        ctx = p @ entry[:, None, :, : self.kv_lora_rank]                            # [B, H, 1, C]
+        return torch.einsum("bhtc,hvc->bhtv", ctx, w_v)

@@ -1,0 +1,21 @@
+"""Dense SwiGLU feed-forward (the FFN of the first ``first_k_dense_replace`` layers, and the MoE shared expert)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_proj(SiLU(gate_proj(x)) * up_proj(x))``; checkpoint names ``{gate,up,down}_proj.weight``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,121 @@
+"""Sigmoid-routed mixture of experts with a correction bias and shared experts (SPEC section 4, FFN)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp import SwiGLUMLP
+
+
+class Expert(nn.Module):
+    """One routed expert, ``w2(SiLU(w1 x) * w3 x)``; checkpoint names ``w1`` (gate), ``w2`` (down), ``w3`` (up)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SigmoidTopKRouter(nn.Module):
+    """Router: float32 logits, ``s = sigmoid(logits)``, choose top-k of ``s + e_score_correction_bias`` (optionally
+    limited to the best ``topk_group`` of ``n_group`` expert groups), weight by the *unbiased* ``s``, optionally
+    renormalise to sum 1, multiply by ``routed_scaling_factor``.
+
+    ``weight`` and ``e_score_correction_bias`` stay float32 whatever the model dtype: the bias is a load-balancing
+    offset of order 1e-3 that bf16 would erase.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        routed_scaling_factor: float = 1.0,
+        renormalize: bool = True,
+        n_group: int = 1,
+        topk_group: int = 1,
+    ) -> None:
+        super().__init__()
+        if top_k > num_experts:
+            raise ValueError(f"`num_experts_per_tok` ({top_k}) must be <= `num_experts` ({num_experts})")
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"`n_group` ({n_group}) must divide `num_experts` ({num_experts})")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.num_experts, self.top_k = num_experts, top_k
+        self.routed_scaling_factor, self.renormalize = routed_scaling_factor, renormalize
+        self.n_group, self.topk_group = n_group, topk_group
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            # Group-limited routing (DeepSeek-V3 style): keep the topk_group groups whose two best experts score
+            # highest, then choose the top-k experts inside them.
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            keep = group_scores.topk(self.topk_group, dim=-1)[1]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(-1, self.num_experts)
+        idx = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, idx)
+        if self.renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.routed_scaling_factor, idx
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus shared SwiGLU experts; checkpoint prefix ``block_sparse_moe``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        num_shared_experts: int = 1,
+        routed_scaling_factor: float = 1.0,
+        renormalize: bool = True,
+        n_group: int = 1,
+        topk_group: int = 1,
+    ) -> None:
+        super().__init__()
+        self.gate = SigmoidTopKRouter(
+            hidden_size, num_experts, top_k, routed_scaling_factor, renormalize, n_group, topk_group
+        )
+        self.experts = nn.ModuleList(Expert(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.shared_experts = (
+            SwiGLUMLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts > 0 else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., D] -> [..., D]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(flat)
+        out = torch.zeros_like(flat)
+        k = idx.shape[1]
+        # Sort the (token, slot) pairs by expert so each expert runs one matmul over all of its tokens.
+        flat_idx = idx.reshape(-1)
+        order = flat_idx.argsort(stable=True)
+        counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            y = self.experts[e](flat[tok]) * w_sorted[start : start + n, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)

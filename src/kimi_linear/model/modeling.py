@@ -1,0 +1,260 @@
+"""The Kimi Linear decoder (SPEC section 4): pre-norm hybrid of KDA and NoPE MLA layers with dense / MoE FFNs."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import KimiLinearConfig
+
+from kimi_linear.layers import KDAState, KimiDeltaAttention, LatentCache, NoPEMLA, RMSNorm, SparseMoE, SwiGLUMLP
+
+from .cache import HybridCache
+from .config import validate_config
+
+# Parameters kept in float32 whatever the model dtype: router weight and bias, and the forget-gate constants.
+FP32_SUFFIXES = (".gate.weight", ".e_score_correction_bias", ".dt_bias", ".A_log")
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+@dataclass
+class CausalLMOutput:
+    """logits: [B, T', vocab] (T' = T, or the last ``logits_to_keep`` positions); cache: the updated cache."""
+
+    logits: torch.Tensor
+    cache: HybridCache | None = None
+
+
+class KimiLinearDecoderLayer(nn.Module):
+    """``h = x + Attn(RMSNorm(x))``, ``y = h + FFN(RMSNorm(h))``; Attn is KDA or MLA, FFN dense or MoE."""
+
+    def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.is_kda = c.layer_types[layer_idx] == "linear_attention"
+        if self.is_kda:
+            self.self_attn: nn.Module = KimiDeltaAttention(
+                c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim, c.rms_norm_eps
+            )
+        else:
+            self.self_attn = NoPEMLA(
+                c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                c.v_head_dim, c.q_lora_rank, c.attention_bias,
+            )
+        # Checkpoint names: dense FFN under `mlp`, MoE under `block_sparse_moe`.
+        if c.mlp_layer_types[layer_idx] == "sparse":
+            self.block_sparse_moe = SparseMoE(
+                c.hidden_size, c.moe_intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                c.n_shared_experts, c.routed_scaling_factor, c.norm_topk_prob, c.n_group, c.topk_group or 1,
+            )
+        else:
+            self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
+        # (not stored as a second attribute: that would register the module twice under two names)
+        self.is_moe = c.mlp_layer_types[layer_idx] == "sparse"
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def empty_cache(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> KDAState | LatentCache:
+        if self.is_kda:
+            return self.self_attn.empty_state(batch_size, dtype, device)
+        return self.self_attn.empty_cache(batch_size, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KDAState | LatentCache | None,
+        padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_kda:
+            h = self.self_attn(h, cache, padding_mask)
+        else:
+            h = self.self_attn(h, cache, attn_mask)
+        x = x + h
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        return x + ffn(self.post_attention_layernorm(x))
+
+
+class KimiLinearModel(nn.Module):
+    """Embedding, decoder layers, final norm; checkpoint prefix ``model.``."""
+
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _mla_mask(
+    key_mask: torch.Tensor | None, past: int, T: int, device: torch.device
+) -> torch.Tensor | None:
+    """bool [B, 1, T, past+T] (True = may attend), or None when plain causal attention with no past is exact.
+
+    A padding query would see no key at all (softmax of nothing = NaN, which the next KDA layer's zeroing cannot
+    remove: NaN * 0 = NaN), so every query may always see itself.
+    """
+    if key_mask is None and (past == 0 or T == 1):
+        return None
+    L = past + T
+    q_pos = torch.arange(past, L, device=device)[:, None]
+    k_pos = torch.arange(L, device=device)[None, :]
+    allowed = (k_pos <= q_pos)[None, None]
+    if key_mask is not None:
+        allowed = (allowed & key_mask[:, None, None, :]) | (k_pos == q_pos)[None, None]
+    return allowed
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """Kimi Linear language model with the checkpoint layout of ``transformers.KimiLinearForCausalLM``.
+
+    ``from_pretrained`` / ``save_pretrained`` read and write Hugging Face checkpoints (safetensors, sharded when
+    large); ``generate`` decodes with the hybrid cache. ``state_dict()`` keys are exactly the on-disk names.
+    """
+
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        self.config = validate_config(config)
+        self.model = KimiLinearModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------------------------------- initialisation
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> KimiLinearForCausalLM:
+        """Random initialisation in the published recipe's spirit (normal(0, initializer_range) for matrices,
+        ones for norms, FLA's A_log / dt_bias ranges). Deterministic given ``seed``."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                dt = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+                dt = dt.clamp_min(1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif "norm" in name.rsplit(".", 2)[-2]:
+                p.fill_(1.0)
+            elif name.endswith("conv1d.weight"):
+                bound = 1 / math.sqrt(p.shape[-1])
+                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+        return self
+
+    def cast(self, dtype: torch.dtype) -> KimiLinearForCausalLM:
+        """Convert weights to ``dtype`` except the float32-only ones (router, gate constants)."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise TypeError(f"`dtype` must be float32, bfloat16 or float16, got {dtype}")
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            t.data = t.data.to(torch.float32 if keeps_fp32(name) and dtype != torch.float64 else dtype)
+        return self
+
+    # ---------------------------------------------------------------------------------------------------- cache
+    def new_cache(self, batch_size: int) -> HybridCache:
+        """An empty hybrid cache for ``batch_size`` sequences."""
+        return HybridCache([layer.empty_cache(batch_size, self.dtype, self.device) for layer in self.model.layers])
+
+    # -------------------------------------------------------------------------------------------------- forward
+    def _check_input_ids(self, input_ids: Any) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"`input_ids` must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+        if input_ids.ndim != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"`input_ids` must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("`input_ids` is empty (sequence length 0)")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"`input_ids` holds ids in [{lo}, {hi}], outside the vocabulary [0, "
+                             f"{self.config.vocab_size})")
+        return input_ids
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput:
+        """input_ids: [B, T]; attention_mask: [B, T] or [B, past+T], 1 = token, 0 = (left) padding;
+        cache: continued and updated in place when given. Returns logits [B, T, vocab] in float32 if the model is
+        float32, else in the model dtype (only the last ``logits_to_keep`` positions when > 0)."""
+        input_ids = self._check_input_ids(input_ids)
+        B, T = input_ids.shape
+        past = cache.seq_len if cache is not None else 0
+        limit = self.config.max_position_embeddings
+        if past + T > limit:
+            raise ValueError(f"sequence of {past + T} tokens ({past} cached + {T} new) exceeds the configured "
+                             f"context `max_position_embeddings`/`model_max_length` = {limit}")
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.ndim != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, past + T):
+                raise ValueError(f"`attention_mask` must be [batch, seq] = [{B}, {T}] or [{B}, {past + T}], got "
+                                 f"{tuple(attention_mask.shape)}")
+            mask = attention_mask[:, -T:].to(device=input_ids.device).bool()
+            if bool(mask.all()):
+                mask = None
+        if cache is not None:
+            if len(cache.layers) != len(self.model.layers):
+                raise ValueError(f"`cache` has {len(cache.layers)} layers, the model {len(self.model.layers)}")
+            cache.append_mask(mask, B, T, input_ids.device)
+            key_mask = cache.key_mask
+        else:
+            key_mask = mask
+        attn_mask = _mla_mask(key_mask, past, T, input_ids.device)
+
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cache.layers[i] if cache is not None else None, mask, attn_mask)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(self.model.norm(x))
+        return CausalLMOutput(logits=logits, cache=cache)
+
+    # ------------------------------------------------------------------------------------ files and generation
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+        progress: bool = False,
+    ) -> KimiLinearForCausalLM:
+        """Load a checkpoint directory (``config.json`` + safetensors). ``dtype`` defaults to the checkpoint's."""
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(cls, path, dtype=dtype, device=device, progress=progress)
+
+    def save_pretrained(
+        self, path: str | os.PathLike, max_shard_size: int | str = "5GB", progress: bool = False
+    ) -> None:
+        """Write ``config.json`` and safetensors (sharded with an index when over ``max_shard_size``)."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size, progress=progress)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Decode with the hybrid cache; see :func:`kimi_linear.model.generation.generate`."""
+        from .generation import generate
+
+        return generate(self, input_ids, **kwargs)
