@@ -7,7 +7,7 @@ import torch
 from .backend import triton_op
 from .checks import KDAShape, check_kda_inputs
 from .gate import apply_kernel_options
-from .intra import decayed_scores, reverse_exclusive_cumsum, wy_representation
+from .intra import ChunkIntra, safe_exp, wy_representation
 from .layout import SequenceLayout
 from .scan import ChunkStateScan
 
@@ -56,16 +56,16 @@ def delta_rule_chunked(
     vc, gc = rows(v), rows(g)
     bc = rows(beta.unsqueeze(-1)).squeeze(-1)                                  # [N, HV, NC, C]
 
-    G = gc.cumsum(-2)                                                          # G_i from the chunk start
-    k_start = kc * G.exp()                                                     # k_i * exp(G_i)
-    k_end = kc * reverse_exclusive_cumsum(gc).exp()                            # k_j * exp(G_C - G_j)
-    decay = G[..., -1, :].exp()                                                # exp(G_C)  [N, HV, NC, K]
-    A_qk, A_kk = decayed_scores(qc, kc, gc)
+    A_qk, A_kk, G, G_to_end = ChunkIntra.apply(qc, kc, gc)                     # G_i and G_C - G_i
+    decay_start = safe_exp(G)
+    k_start = kc * decay_start                                                 # k_i * exp(G_i)
+    k_end = kc * safe_exp(G_to_end)                                            # k_j * exp(G_C - G_j)
+    decay = decay_start[..., -1, :]                                            # exp(G_C)  [N, HV, NC, K]
     W, U = wy_representation(A_kk, k_start, vc, bc)
 
     S0 = qc.new_zeros(s.N, s.HV, s.K, s.V) if initial_state is None else initial_state.to(dtype)
     S_starts, Delta, S_final = ChunkStateScan.apply(W, U, k_end, decay, S0)
-    o = scale * ((qc * G.exp()) @ S_starts + A_qk @ Delta)                     # [N, HV, NC, C, V]
+    o = scale * ((qc * decay_start) @ S_starts + A_qk @ Delta)                     # [N, HV, NC, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(s.N, layout.L, s.HV, s.V)
     return layout.from_rows(o), S_final
 

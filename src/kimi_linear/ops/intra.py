@@ -1,14 +1,15 @@
-"""Inside one chunk: the decayed score matrices and the WY form of the delta rule (SPEC section 2).
+"""Inside one chunk: decay sums, the decayed score matrices and the WY form of the delta rule (SPEC section 2).
 
-Every decay factor here is ``exp`` of a sum of gates over a run of tokens, computed as that sum directly (a
-cumulative sum that starts at a split point), never as the difference of two prefix sums: all gates are <= 0, so a
-sum of them carries no cancellation, stays accurate in float32 even after a step of ``g = -1000``, and every factor
-is at most 1 (no overflow, and gradients stay finite).
+Every decay factor here is ``exp`` of a sum of gates over a run of tokens, built as that sum directly, never as the
+difference of two prefix sums: all gates are <= 0, so a sum of them has no cancellation, stays accurate in float32
+even next to a step of ``g = -1000``, and every factor is at most 1 (no overflow, gradients stay finite).
 
 The strictly lower triangle of a ``C x C`` score matrix is split recursively: a ``2b x 2b`` diagonal block has an
-off-diagonal ``b x b`` block (rows in the second half, columns in the first) whose decay factors through the split
-point ``r``:  exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1. So the whole triangle costs one
-small batched matmul per level (b = C/2, C/4, ..., 1) and O(C K) element-wise work per level.
+off-diagonal ``b x b`` block (rows in its second half, columns in its first) whose decay factors through the split
+point ``r`` (the last row of the first half):  exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both <= 1.
+Per level b = C/2, ..., 1 that is one exp and two products over the chunk and one batch of ``b x b`` matmuls.
+The run sums of every level come from one recursion over block sizes (two additions per level): ``prefix_b`` sums
+from the start of each aligned b-block through the row, ``suffix_b`` sums after the row to the block's end.
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ from functools import cache
 
 import torch
 
+# exp(-80) ~ 1.8e-35: below it every factor is zero for any purpose, and keeping exp's input above it keeps its
+# result out of the denormal range, where CPUs run element-wise math tens of times slower.
+EXP_FLOOR = -80.0
 
-def reverse_exclusive_cumsum(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """``y_j = sum_{m > j} x_m`` along ``dim``, summed from the end so nothing cancels."""
-    n = x.shape[dim]
-    shifted = torch.cat([x.narrow(dim, 1, n - 1), torch.zeros_like(x.narrow(dim, 0, 1))], dim=dim)
-    return shifted.flip(dim).cumsum(dim).flip(dim)
+
+def safe_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(max(x, EXP_FLOOR))`` for log decays ``x <= 0``."""
+    return x.clamp_min(EXP_FLOOR).exp()
 
 
 @cache
 def _levels(C: int) -> tuple[int, ...]:
-    if C & (C - 1):
-        raise ValueError(f"chunk size must be a power of two, got {C}")
+    """Block sizes b of the off-diagonal blocks, largest first: C/2, C/4, ..., 1."""
+    if C < 2 or C & (C - 1):
+        raise ValueError(f"chunk size must be a power of two >= 2, got {C}")
     return tuple(C >> s for s in range(1, C.bit_length()))
 
 
@@ -46,31 +50,143 @@ def _block_index(C: int, device: torch.device) -> torch.Tensor:
     return torch.cat(parts).to(device)
 
 
-def decayed_scores(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores ``sum_c x_ic k_jc exp(G_ic - G_jc)`` for ``x = q`` (j <= i) and ``x = k`` (j < i).
+def _halves(x: torch.Tensor, b: int) -> torch.Tensor:
+    """[..., C, K] -> [..., C/2b, 2, b, K]: the two halves of every aligned 2b-block."""
+    *lead, C, K = x.shape
+    return x.view(*lead, C // (2 * b), 2, b, K)
 
-    q, k, g: [..., C, K] (g the per-step log decays of one chunk). Returns ``(A_qk, A_kk)``, each [..., C, C],
-    zero above the diagonal (``A_kk`` also zero on it).
+
+def run_sums(g: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Log decays over runs, for every level, from per-step gates g: [..., C, K].
+
+    Returns ``(E, G, G_to_end)``: ``E[b]`` [..., C, K] holds, in the first half of each 2b-block, the sum after row
+    j through the split point, and in the second half the sum after the split point through row i; ``G`` is
+    ``sum_{m<=i} g_m`` and ``G_to_end`` is ``sum_{m>i} g_m`` over the whole chunk.
     """
-    *lead, C, K = q.shape
-    qk_vals, kk_vals = [], []
-    for b in _levels(C):
-        P = C // (2 * b)
-        q2, k2, g2 = (x.reshape(*lead, P, 2, b, K) for x in (q, k, g))
-        row_decay = g2[..., 1, :, :].cumsum(-2).exp()                        # exp(G_i - G_r), i after r  [.., P, b, K]
-        col_decay = reverse_exclusive_cumsum(g2[..., 0, :, :]).exp()         # exp(G_r - G_j), j up to r  [.., P, b, K]
-        rows = torch.cat([q2[..., 1, :, :], k2[..., 1, :, :]], dim=-2) * row_decay.repeat(*([1] * len(lead)), 1, 2, 1)
-        cols = k2[..., 0, :, :] * col_decay
-        blocks = rows @ cols.transpose(-1, -2)                               # [.., P, 2b, b]
-        qk_vals.append(blocks[..., :b, :].reshape(*lead, -1))
-        kk_vals.append(blocks[..., b:, :].reshape(*lead, -1))
-    qk_vals.append((q * k).sum(-1))                                          # diagonal: no decay between i and i
-    kk_vals.append(torch.zeros_like(qk_vals[-1]))
-    index = _block_index(C, q.device)
-    zeros = q.new_zeros(*lead, C * C)
-    A_qk = zeros.index_copy(-1, index, torch.cat(qk_vals, -1)).view(*lead, C, C)
-    A_kk = zeros.index_copy(-1, index, torch.cat(kk_vals, -1)).view(*lead, C, C)
-    return A_qk, A_kk
+    C = g.shape[-2]
+    prefix, suffix = g, torch.zeros_like(g)                                    # b = 1
+    E = {}
+    for b in reversed(_levels(C)):                                             # 1, 2, 4, ..., C/2
+        p2, s2 = _halves(prefix, b), _halves(suffix, b)
+        E[b] = torch.stack([s2[..., 0, :, :], p2[..., 1, :, :]], dim=-3).flatten(-4, -2)
+        first_total = p2[..., 0, -1:, :]                                      # [.., P, 1, K]
+        second_total = p2[..., 1, -1:, :]
+        prefix = torch.stack([p2[..., 0, :, :], p2[..., 1, :, :] + first_total], dim=-3).flatten(-4, -2)
+        suffix = torch.stack([s2[..., 0, :, :] + second_total, s2[..., 1, :, :]], dim=-3).flatten(-4, -2)
+    return E, prefix, suffix
+
+
+def run_sums_backward(dE: dict[int, torch.Tensor], dG: torch.Tensor, dG_to_end: torch.Tensor) -> torch.Tensor:
+    """The transpose of :func:`run_sums`: gradients of ``E``, ``G``, ``G_to_end`` -> gradient of g."""
+    C = dG.shape[-2]
+    d_prefix, d_suffix = dG, dG_to_end
+    for b in _levels(C):                                                       # C/2, ..., 1
+        dp2, ds2, de2 = _halves(d_prefix, b), _halves(d_suffix, b), _halves(dE[b], b)
+        # prefix_2b second half = prefix_b + first_total; suffix_2b first half = suffix_b + second_total.
+        d_first_total = dp2[..., 1, :, :].sum(-2, keepdim=True)
+        d_second_total = ds2[..., 0, :, :].sum(-2, keepdim=True)
+        dp_first = dp2[..., 0, :, :].clone()
+        dp_second = dp2[..., 1, :, :] + de2[..., 1, :, :]
+        dp_first[..., -1:, :] += d_first_total
+        dp_second[..., -1:, :] += d_second_total
+        d_prefix = torch.stack([dp_first, dp_second], dim=-3).flatten(-4, -2)
+        d_suffix = torch.stack([ds2[..., 0, :, :] + de2[..., 0, :, :], ds2[..., 1, :, :]], dim=-3).flatten(-4, -2)
+    return d_prefix
+
+
+def _level_blocks(q: torch.Tensor, k: torch.Tensor, F: torch.Tensor, b: int):
+    """Decayed halves of one level and its blocks: q2F, k2F (rows), k1F (columns), B_qk = q2F k1F^T,
+    B_kk = k2F k1F^T. Shapes [..., P, b, K] and [..., P, b, b]."""
+    q2, k2, F2 = _halves(q, b)[..., 1, :, :], _halves(k, b)[..., 1, :, :], _halves(F, b)[..., 1, :, :]
+    k1F = _halves(k, b)[..., 0, :, :] * _halves(F, b)[..., 0, :, :]
+    q2F, k2F = q2 * F2, k2 * F2
+    k1F_t = k1F.transpose(-1, -2)
+    return q2F, k2F, k1F, q2F @ k1F_t, k2F @ k1F_t
+
+
+class ChunkIntra(torch.autograd.Function):
+    """(q, k, g) [..., C, K] -> (A_qk, A_kk [..., C, C], G, G_to_end [..., C, K]).
+
+    ``A_qk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)`` for j <= i, ``A_kk`` the same with k for j < i, zero elsewhere.
+    The backward is written by hand (per level: three matmuls and the transposed run-sum recursion) and recomputes
+    the decay factors rather than storing one [C, K] tensor per level.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, g):
+        *lead, C, K = q.shape
+        E, G, G_to_end = run_sums(g)
+        qk_vals, kk_vals = [], []
+        for b in _levels(C):
+            *_, B_qk, B_kk = _level_blocks(q, k, safe_exp(E[b]), b)
+            qk_vals.append(B_qk.reshape(*lead, -1))
+            kk_vals.append(B_kk.reshape(*lead, -1))
+        qk_vals.append((q * k).sum(-1))                                        # diagonal: no decay from i to i
+        kk_vals.append(torch.zeros_like(qk_vals[-1]))
+        index = _block_index(C, q.device)
+        zeros = q.new_zeros(*lead, C * C)
+        A_qk = zeros.index_copy(-1, index, torch.cat(qk_vals, -1)).view(*lead, C, C)
+        A_kk = zeros.index_copy(-1, index, torch.cat(kk_vals, -1)).view(*lead, C, C)
+        ctx.save_for_backward(q, k, g)
+        return A_qk, A_kk, G, G_to_end
+
+    @staticmethod
+    def backward(ctx, dA_qk, dA_kk, dG, dG_to_end):
+        q, k, g = ctx.saved_tensors
+        *lead, C, K = q.shape
+        dA_qk = torch.zeros(*lead, C, C, dtype=q.dtype, device=q.device) if dA_qk is None else dA_qk
+        dA_kk = torch.zeros_like(dA_qk) if dA_kk is None else dA_kk
+        dG = torch.zeros_like(g) if dG is None else dG
+        dG_to_end = torch.zeros_like(g) if dG_to_end is None else dG_to_end
+        index = _block_index(C, q.device)
+        d_qk_vals = dA_qk.reshape(*lead, C * C).index_select(-1, index)
+        d_kk_vals = dA_kk.reshape(*lead, C * C).index_select(-1, index)
+        d_diag = d_qk_vals[..., -C:, None]                                     # [.., C, 1]
+        dq, dk = d_diag * k, d_diag * q
+        E, _, _ = run_sums(g)
+        dE, offset = {}, 0
+        for b in _levels(C):
+            P = C // (2 * b)
+            n = P * b * b
+            dB_qk = d_qk_vals[..., offset:offset + n].reshape(*lead, P, b, b)
+            dB_kk = d_kk_vals[..., offset:offset + n].reshape(*lead, P, b, b)
+            offset += n
+            F = safe_exp(E[b])
+            q2F, k2F, k1F, _, _ = _level_blocks(q, k, F, b)
+            d_q2F, d_k2F = dB_qk @ k1F, dB_kk @ k1F                            # [.., P, b, K]
+            d_k1F = dB_qk.transpose(-1, -2) @ q2F + dB_kk.transpose(-1, -2) @ k2F
+            F1, F2 = _halves(F, b)[..., 0, :, :], _halves(F, b)[..., 1, :, :]
+            _halves(dq, b)[..., 1, :, :] += d_q2F * F2
+            _halves(dk, b)[..., 1, :, :] += d_k2F * F2
+            _halves(dk, b)[..., 0, :, :] += d_k1F * F1
+            # d(x * exp(E))/dE = x * exp(E); zero where the floor clamps E.
+            live = E[b] > EXP_FLOOR
+            dE_b = torch.stack([d_k1F * k1F, d_q2F * q2F + d_k2F * k2F], dim=-3).flatten(-4, -2)
+            dE[b] = torch.where(live, dE_b, 0.0)
+        dg = run_sums_backward(dE, dG, dG_to_end)
+        return dq, dk, dg
+
+
+class UnitLowerInverse(torch.autograd.Function):
+    """``T = (I + A)^-1`` for strictly lower triangular A [..., C, C], by forward substitution.
+
+    Backward: ``dA = -(T^T dT T^T)`` restricted to the strict lower triangle (A's free entries), two matmuls
+    instead of a second triangular solve.
+    """
+
+    @staticmethod
+    def forward(ctx, A):
+        C = A.shape[-1]
+        eye = torch.eye(C, dtype=A.dtype, device=A.device)
+        T = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)
+        ctx.save_for_backward(T)
+        return T
+
+    @staticmethod
+    def backward(ctx, dT):
+        (T,) = ctx.saved_tensors
+        Tt = T.transpose(-1, -2)
+        return -(Tt @ dT @ Tt).tril(-1)
 
 
 def wy_representation(
@@ -79,11 +195,7 @@ def wy_representation(
     """``W = T (beta K exp(G))`` and ``U = T (beta V)`` with ``T = (I + beta A_kk)^-1``.
 
     A_kk: [..., C, C] strictly lower; k_decayed (= k * exp(G)): [..., C, K]; v: [..., C, V]; beta: [..., C].
-    One forward substitution serves both right-hand sides.
     """
-    K = k_decayed.shape[-1]
-    C = A_kk.shape[-1]
-    L = beta[..., :, None] * A_kk + torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
-    rhs = beta[..., :, None] * torch.cat([k_decayed, v], dim=-1)
-    WU = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
-    return WU[..., :K], WU[..., K:]
+    T = UnitLowerInverse.apply(beta[..., :, None] * A_kk)
+    T_beta = T * beta[..., None, :]                                            # T Diag(beta)
+    return T_beta @ k_decayed, T_beta @ v
