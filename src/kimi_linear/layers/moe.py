@@ -101,8 +101,19 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
         out = torch.zeros_like(flat)
+        if flat.shape[0] == 1:
+            # Decode: one token, k experts; skip the sort / bincount machinery (pure overhead at this size).
+            for j, e in enumerate(idx[0].tolist()):
+                out = out + (self.experts[e](flat) * weights[:, j : j + 1]).to(out.dtype)
+        else:
+            self._dispatch(flat, weights, idx, out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)
+
+    def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Add every token's weighted expert outputs into ``out`` [N, D]; one matmul per expert over its tokens."""
         k = idx.shape[1]
-        # Sort the (token, slot) pairs by expert so each expert runs one matmul over all of its tokens.
         flat_idx = idx.reshape(-1)
         order = flat_idx.argsort(stable=True)
         counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
@@ -116,6 +127,3 @@ class SparseMoE(nn.Module):
             y = self.experts[e](flat[tok]) * w_sorted[start : start + n, None]
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view(shape)

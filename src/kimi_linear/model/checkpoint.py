@@ -110,7 +110,7 @@ def load_pretrained(
         warnings.warn(f"ignoring {len(unexpected)} tensor(s) the model does not use, e.g. {unexpected[:3]}",
                       stacklevel=3)
     model.load_state_dict(loaded, strict=True, assign=True)
-    return model.eval()
+    return model.optimize_layout().eval()
 
 
 def parse_size(size: int | str) -> int:

@@ -124,6 +124,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.config = validate_config(config)
         self.model = KimiLinearModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.optimize_layout()
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -160,6 +161,25 @@ class KimiLinearForCausalLM(nn.Module):
         for name, b in self.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()
+        return self
+
+    @torch.no_grad()
+    def optimize_layout(self) -> KimiLinearForCausalLM:
+        """Store each CPU ``nn.Linear`` weight so that its longer dimension is contiguous in memory.
+
+        Same values, same shapes, same memory; only the strides change. One-token decoding is a chain of
+        matrix-vector products bound by memory bandwidth, and CPU BLAS streams a weight 1.5-2.5x faster when it
+        walks the longer dimension contiguously (e.g. ``lm_head``: [vocab, hidden] stored column-major).
+        """
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear) and mod.weight.device.type in ("cpu", "meta"):
+                w = mod.weight.data
+                out_f, in_f = w.shape
+                col_major = w.stride() == (1, out_f)
+                if out_f > in_f and not col_major:
+                    mod.weight.data = w.t().contiguous().t()
+                elif out_f < in_f and col_major:
+                    mod.weight.data = w.contiguous()
         return self
 
     def cast(self, dtype: torch.dtype) -> KimiLinearForCausalLM:

@@ -1,0 +1,106 @@
+"""Bad input fails early with an error that names the tensor or field."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kimi_linear import KimiLinearForCausalLM
+from kimi_linear.model import config_from_dict, load_config
+
+from .helpers import make_config, randomize, raw_config, tokens
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    randomize(KimiLinearForCausalLM(make_config("KKKM")), seed=1).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _edit_weights(path, fn):
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    fn(tensors)
+    save_file(tensors, file)
+
+
+def test_missing_tensor_is_named(checkpoint):
+    _edit_weights(checkpoint, lambda t: t.pop("model.layers.2.self_attn.f_b_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor.*model\.layers\.2\.self_attn\.f_b_proj\.weight"):
+        KimiLinearForCausalLM.from_pretrained(checkpoint)
+
+
+def test_wrong_shape_is_named(checkpoint):
+    def shrink(t):
+        t["model.layers.3.self_attn.kv_b_proj.weight"] = torch.randn(64, 31)
+    _edit_weights(checkpoint, shrink)
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.kv_b_proj\.weight.*\[64, 31\].*\[64, 32\]"):
+        KimiLinearForCausalLM.from_pretrained(checkpoint)
+
+
+def test_unknown_model_type(checkpoint):
+    cfg_file = os.path.join(checkpoint, "config.json")
+    cfg = json.load(open(cfg_file))
+    cfg["model_type"] = "llama"
+    json.dump(cfg, open(cfg_file, "w"))
+    with pytest.raises(ValueError, match="model_type.*llama"):
+        KimiLinearForCausalLM.from_pretrained(checkpoint)
+    with pytest.raises(ValueError, match="model_type"):
+        load_config(checkpoint)
+
+
+@pytest.mark.parametrize("kda,full,match", [
+    ([1, 2], [4], r"layers \[3\].*kda_layers.*full_attn_layers"),       # a layer with no kind
+    ([1, 2, 3], [3, 4], r"layer 3 appears in both"),                      # a layer with two kinds
+    ([0, 1, 2], [4], r"kda_layers.*layer 0.*1-indexed"),                  # 0-indexed by mistake
+    ([1, 2, 3], [5], r"full_attn_layers.*layer 5.*outside 1\.\.4"),       # out of range
+])
+def test_layer_lists_must_cover_every_layer(kda, full, match):
+    raw = raw_config("KKKM")
+    raw["linear_attn_config"].update(kda_layers=kda, full_attn_layers=full)
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(raw)
+
+
+def test_layer_types_field_checked():
+    raw = raw_config("KKKM")
+    del raw["linear_attn_config"]
+    raw["layer_types"] = ["linear_attention", "full_attention", "sliding_attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"layer_types.*\[2\].*sliding_attention"):
+        config_from_dict(raw)
+
+
+def test_prompt_longer_than_context():
+    model = randomize(KimiLinearForCausalLM(make_config("KKKM", context=32)), seed=2).eval()
+    with pytest.raises(ValueError, match=r"prompt of 40 tokens exceeds.*max_position_embeddings.*32"):
+        model.generate(tokens(1, 40, seed=3), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"40 tokens.*exceeds.*32"):
+        model(tokens(1, 40, seed=3))
+    cache = model.new_cache(1)
+    model(tokens(1, 30, seed=3), cache=cache)
+    with pytest.raises(ValueError, match=r"30 cached \+ 3 new"):
+        model(tokens(1, 3, seed=4), cache=cache)
+    # Generation stops at the context instead of failing mid-way.
+    assert model.generate(tokens(1, 30, seed=3), max_new_tokens=10).shape == (1, 32)
+
+
+def test_bad_tensors_and_masks():
+    model = randomize(KimiLinearForCausalLM(make_config("KKKM")), seed=2).eval()
+    with pytest.raises(ValueError, match="input_ids.*vocabulary"):
+        model(torch.tensor([[1, 2, 300]]))
+    with pytest.raises(ValueError, match="input_ids.*integer"):
+        model(torch.randn(1, 4))
+    with pytest.raises(TypeError, match="input_ids"):
+        model([[1, 2, 3]])
+    with pytest.raises(ValueError, match="attention_mask.*left-padded"):
+        model.generate(tokens(1, 4, seed=1), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(tokens(1, 4, seed=1), do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="dtype"):
+        KimiLinearForCausalLM.from_pretrained  # noqa: B018  (exists)
+        from kimi_linear.model.checkpoint import resolve_dtype
+        resolve_dtype("int8")
