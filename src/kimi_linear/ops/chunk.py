@@ -6,9 +6,9 @@ import torch
 
 from .backend import triton_op
 from .checks import KDAShape, check_kda_inputs
-from .gate import apply_kernel_options
+from .gate import KernelOptions
 from .intra import ChunkIntra, safe_exp, wy_representation
-from .layout import SequenceLayout
+from .layout import SequenceLayout, expand_heads
 from .scan import ChunkStateScan
 
 CHUNK_SIZE = 64
@@ -17,12 +17,6 @@ CHUNK_SIZE = 64
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 inputs compute in float64 (tests); everything else in float32 (the state's dtype)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
-    """[B, T, H, X] -> [B, T, HV, X]: value head j reads q/k head j // (HV // H)."""
-    H = x.shape[2]
-    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
 
 
 def delta_rule_chunked(
@@ -106,19 +100,14 @@ def chunk_kda(
     """
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = shape.K ** -0.5 if scale is None else scale
+    opts = KernelOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                         A_log, dt_bias, lower_bound)
     fast = triton_op("chunk_kda", q)
     if fast is not None:
         return fast(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=lower_bound, cu_seqlens=cu_seqlens, allow_neg_eigval=allow_neg_eigval)
+                    cu_seqlens=cu_seqlens, **opts.kwargs())
     out_dtype = q.dtype
-    q, k, g, beta = apply_kernel_options(
-        q, k, g, beta,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-    )
+    q, k, g, beta = opts.apply(q, k, g, beta)
     o, final = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens)
     return o.to(out_dtype), (final.float() if output_final_state else None)
 

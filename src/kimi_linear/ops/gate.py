@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.nn.functional as F
 
@@ -40,32 +42,32 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
-def apply_kernel_options(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Apply the optional input transforms that a fused kernel performs before the recurrence.
+@dataclass(frozen=True)
+class KernelOptions:
+    """The optional input transforms a fused KDA kernel performs before the recurrence (fla-core's names)."""
 
-    All differentiable; returns float32 tensors for the transformed inputs and the others unchanged.
-    """
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float())
-        if allow_neg_eigval:
-            beta = 2 * beta
-    if use_gate_in_kernel:
-        g = fused_kda_gate(g, A_log, dt_bias, lower_bound)
-    elif A_log is not None or dt_bias is not None or lower_bound is not None:
-        raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
-    return q, k, g, beta
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    A_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    lower_bound: float | None = None
+
+    def kwargs(self) -> dict:
+        """As keyword arguments of the public functions (how a backend receives them)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Transform (q, k, g, beta) in PyTorch, differentiably; transformed tensors come back in float32."""
+        if self.use_qk_l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)
+        if self.use_beta_sigmoid_in_kernel:
+            beta = torch.sigmoid(beta.float()) * (2 if self.allow_neg_eigval else 1)
+        if self.use_gate_in_kernel:
+            g = fused_kda_gate(g, self.A_log, self.dt_bias, self.lower_bound)
+        elif self.A_log is not None or self.dt_bias is not None or self.lower_bound is not None:
+            raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
+        return q, k, g, beta

@@ -53,3 +53,9 @@ class SequenceLayout:
         if not self.varlen:
             return y[:, : self.T]
         return y.reshape(self.N * self.L, *y.shape[2:])[self.scatter].unsqueeze(0)
+
+
+def expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
+    """[B, T, H, X] -> [B, T, HV, X]: value head j reads q/k head j // (HV // H)."""
+    H = x.shape[2]
+    return x if H == HV else x.repeat_interleave(HV // H, dim=2)

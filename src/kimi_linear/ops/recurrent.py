@@ -6,9 +6,9 @@ import torch
 
 from .backend import triton_op
 from .checks import check_kda_inputs
-from .chunk import compute_dtype, expand_heads
-from .gate import apply_kernel_options
-from .layout import SequenceLayout
+from .chunk import compute_dtype
+from .gate import KernelOptions
+from .layout import SequenceLayout, expand_heads
 
 
 def recurrent_step(
@@ -51,20 +51,14 @@ def fused_recurrent_kda(
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_indices=state_indices)
     s = shape
     scale = s.K ** -0.5 if scale is None else scale
+    opts = KernelOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                         A_log, dt_bias, lower_bound)
     fast = triton_op("fused_recurrent_kda", q)
     if fast is not None:
         return fast(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=lower_bound, cu_seqlens=cu_seqlens, allow_neg_eigval=allow_neg_eigval,
-                    state_indices=state_indices)
+                    cu_seqlens=cu_seqlens, state_indices=state_indices, **opts.kwargs())
     out_dtype = q.dtype
-    q, k, g, beta = apply_kernel_options(
-        q, k, g, beta,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-    )
+    q, k, g, beta = opts.apply(q, k, g, beta)
     dtype = compute_dtype(q)
     layout = SequenceLayout(s.B, s.T, cu_seqlens, 1, q.device)
     rows = lambda x: layout.to_rows(x.to(dtype))                          # [N, L, ...]

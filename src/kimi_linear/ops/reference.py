@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_kda_inputs
-
-
-def _expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
-    """[B, T, H, K] -> [B, T, HV, K]: value head j reads q/k head j // (HV // H)."""
-    H = x.shape[2]
-    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
+from .layout import expand_heads
 
 
 def naive_recurrent_kda(
@@ -38,7 +33,7 @@ def naive_recurrent_kda(
                          f"got {tuple(initial_state.shape)}")
     dtype = q.dtype
     scale = s.K ** -0.5 if scale is None else scale
-    q, k = _expand_heads(q, s.HV).to(dtype), _expand_heads(k, s.HV).to(dtype)
+    q, k = expand_heads(q, s.HV).to(dtype), expand_heads(k, s.HV).to(dtype)
     v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
     bounds = [(b, 0, s.T) for b in range(s.B)] if cu_seqlens is None else [
         (0, int(a), int(e)) for a, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
