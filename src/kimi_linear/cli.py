@@ -1,0 +1,185 @@
+"""`kimi-linear`: try, inspect and run Kimi Linear checkpoints from the command line.
+
+    kimi-linear init ./tiny --preset tiny            # random checkpoint + byte-level tokenizer, no downloads
+    kimi-linear info ./tiny --context 1048576        # parameters, layer layout, cache bytes per sequence
+    kimi-linear info kimi-linear-48b                 # the same for a preset's shape, no files needed
+    kimi-linear generate ./tiny --prompt "Hello"     # stream tokens (greedy; --temperature > 0 samples)
+    echo "Hello" | kimi-linear generate ./Kimi-Linear-48B-A3B-Instruct --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+PRESET_HELP = "a checkpoint directory, or a preset name (tiny, small, kimi-linear-48b)"
+
+
+def _dtype(name: str):
+    from kimi_linear.model.checkpoint import resolve_dtype
+
+    return resolve_dtype(name)
+
+
+def _config(source: str):
+    from kimi_linear.model import PRESETS, load_config, preset_config
+
+    if source in PRESETS and not os.path.isdir(source):
+        return preset_config(source)
+    return load_config(source)
+
+
+# ---------------------------------------------------------------------------------------------------------- init
+def cmd_init(args: argparse.Namespace) -> int:
+    import torch
+
+    from kimi_linear import KimiLinearForCausalLM
+    from kimi_linear.model import preset_config
+    from kimi_linear.model.tokenizer import byte_level_tokenizer
+
+    if os.path.exists(os.path.join(args.path, "config.json")) and not args.force:
+        print(f"error: {args.path} already holds a checkpoint (use --force to overwrite)", file=sys.stderr)
+        return 2
+    config = preset_config(args.preset, **({"model_max_length": args.context} if args.context else {}))
+    torch.manual_seed(args.seed)
+    print(f"initialising preset {args.preset!r} (seed {args.seed}) ...", file=sys.stderr)
+    model = KimiLinearForCausalLM(config).init_weights(args.seed).cast(_dtype(args.dtype))
+    model.save_pretrained(args.path, progress=True)
+    tok = byte_level_tokenizer()
+    if len(tok) > config.vocab_size:
+        print(f"error: preset vocabulary {config.vocab_size} < tokenizer {len(tok)}", file=sys.stderr)
+        return 2
+    tok.save_pretrained(args.path)
+    print(f"wrote {args.path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"{args.dtype}, byte-level tokenizer")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- info
+def cmd_info(args: argparse.Namespace) -> int:
+    from kimi_linear.model.memory import cache_bytes, human_bytes, parameter_counts
+
+    c = _config(args.source)
+    counts = parameter_counts(c)
+    kinds = ["KDA" if t == "linear_attention" else "MLA" for t in c.layer_types]
+    ffn = ["MoE" if t == "sparse" else "dense" for t in c.mlp_layer_types]
+    context = args.context if args.context is not None else c.max_position_embeddings
+    cb = cache_bytes(c, context, _dtype(args.cache_dtype))
+    print(f"model_type      kimi_linear ({args.source})")
+    print(f"parameters      {counts['total'] / 1e9:.3f} B total, {counts['active'] / 1e9:.3f} B active per token "
+          f"({c.num_experts_per_tok} of {c.num_local_experts} experts)")
+    print(f"hidden / vocab  {c.hidden_size} / {c.vocab_size}; context {c.max_position_embeddings}")
+    print(f"KDA             {c.linear_num_heads} heads x {c.linear_head_dim}, conv {c.linear_conv_kernel_dim}")
+    print(f"MLA (NoPE)      {c.num_attention_heads} heads, latent {c.kv_lora_rank} + rope {c.qk_rope_head_dim}, "
+          f"nope {c.qk_nope_head_dim}, v {c.v_head_dim}")
+    print(f"layers          {c.num_hidden_layers}: {cb.kda_layers} KDA + {cb.mla_layers} MLA")
+    for i, (a, f) in enumerate(zip(kinds, ffn)):
+        print(f"  {i + 1:3d}  {a} + {f}")
+    print(f"cache per sequence at {context} tokens (state float32, conv/latent {args.cache_dtype}):")
+    print(f"  KDA state ({cb.kda_layers} layers, fixed)   {human_bytes(cb.kda_state):>12}")
+    print(f"  MLA latent ({cb.mla_layers} layers, growing) {human_bytes(cb.mla_latent):>12}")
+    print(f"  hybrid total                   {human_bytes(cb.hybrid):>12}")
+    print(f"  all-MLA model, same shape      {human_bytes(cb.all_mla):>12}")
+    print(f"  saving vs all-MLA              {100 * cb.saving:11.1f}%")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from kimi_linear import KimiLinearForCausalLM
+    from kimi_linear.model.tokenizer import load_tokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never reach out
+    if not os.path.isdir(args.path):
+        print(f"error: checkpoint directory {args.path!r} does not exist", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        print("error: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = load_tokenizer(args.path)
+    model = KimiLinearForCausalLM.from_pretrained(args.path, dtype=args.dtype, progress=True)
+    if args.chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+    else:
+        text = prompt
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    streamer = None if args.no_stream else TextStreamer(tok, skip_prompt=True)
+    sample = args.temperature > 0
+    eos = model.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sample,
+                         temperature=args.temperature if sample else 1.0, top_p=args.top_p, top_k=args.top_k,
+                         seed=args.seed, eos_token_id=None if args.ignore_eos else eos, streamer=streamer)
+    dt = time.perf_counter() - t0
+    new = out.shape[1] - ids.shape[1]
+    if args.no_stream:
+        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    print(f"[{ids.shape[1]} prompt + {new} new tokens in {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kimi-linear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{init,info,generate}")
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint directory, streaming tokens",
+                       description="Generate a continuation of a prompt (--prompt, or stdin). Greedy by default; "
+                       "--temperature > 0 samples (with --top-p / --top-k, reproducible with --seed).")
+    g.add_argument("path", help="checkpoint directory (config.json, safetensors, tokenizer files)")
+    g.add_argument("--prompt", "-p", help="prompt text (default: read stdin)")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (= the checkpoint's)")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sequence token")
+    g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+    g.set_defaults(fn=cmd_generate)
+
+    i = sub.add_parser("info", help="parameters, layer layout and cache bytes per sequence",
+                       description="Show parameters, the KDA/MLA layer layout and the per-sequence cache at a "
+                       "context length: fixed KDA state vs growing MLA latent vs an all-MLA model of the same "
+                       "shape (SPEC section 5).")
+    i.add_argument("source", help=PRESET_HELP)
+    i.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    i.add_argument("--cache-dtype", default="bfloat16", help="dtype of the MLA latent and conv cache (default bf16)")
+    i.set_defaults(fn=cmd_info)
+
+    n = sub.add_parser("init", help="write a randomly initialised checkpoint of a preset, with a tokenizer",
+                       description="Write a random checkpoint (config.json + safetensors) of a named preset and "
+                       "a byte-level tokenizer beside it, so everything can be tried without downloads.")
+    n.add_argument("path", help="output directory")
+    n.add_argument("--preset", default="tiny", help="tiny (default), small, kimi-linear-48b")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    n.add_argument("--context", type=int, default=None, help="override the preset's context length")
+    n.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
+    n.set_defaults(fn=cmd_init)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
