@@ -1,0 +1,134 @@
+"""Synthetic tasks of the Kimi Linear report, generated on the fly: MQAR, Palindrome and Stack.
+
+A task's ``batch(B, T, gen)`` returns ``(input_ids, labels)`` of shape [B, T] (int64); ``labels[b, t]`` is the
+token the model must predict *at* position t (already shifted), or -100 where nothing is scored. Batches are a pure
+function of the generator's seed, so training resumes exactly and held-out sets never overlap training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+def _randint(n: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, n, shape, generator=gen)
+
+
+@dataclass(frozen=True)
+class MQAR:
+    """Multi-query associative recall: N key-value pairs, noise, then every key again in a new order; the model
+    answers each with its value. Ids: keys ``[0, num_keys)``, values next, noise last. N = min(max_pairs, T // 8)."""
+
+    num_keys: int = 256
+    num_values: int = 256
+    num_noise: int = 64
+    max_pairs: int = 64
+    name: str = "mqar"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_keys + self.num_values + self.num_noise
+
+    @property
+    def chance(self) -> float:
+        return 1 / self.num_values
+
+    def batch(self, B: int, T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        N = min(self.max_pairs, self.num_keys, T // 8)
+        if N < 1:
+            raise ValueError(f"MQAR needs seq_len >= 8, got {T}")
+        keys = torch.rand(B, self.num_keys, generator=gen).argsort(-1)[:, :N]     # distinct keys per row
+        values = self.num_keys + _randint(self.num_values, (B, N), gen)
+        order = torch.rand(B, N, generator=gen).argsort(-1)
+        context = torch.stack([keys, values], -1).flatten(1)                     # k1 v1 k2 v2 ...
+        queries = torch.stack([keys.gather(1, order), values.gather(1, order)], -1).flatten(1)
+        gap = self.num_keys + self.num_values + _randint(self.num_noise, (B, T - 4 * N), gen)
+        ids = torch.cat([context, gap, queries], 1)
+        labels = torch.full_like(ids, IGNORE)
+        answer = torch.arange(T - 2 * N + 1, T, 2)                                # value slots of the queries
+        labels[:, answer - 1] = ids[:, answer]                                    # predicted at their key
+        return ids, labels
+
+
+@dataclass(frozen=True)
+class Palindrome:
+    """A random string over ``alphabet`` tokens, a separator, then the string reversed; scored on the reversal."""
+
+    alphabet: int = 64
+    name: str = "palindrome"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.alphabet + 1
+
+    @property
+    def chance(self) -> float:
+        return 1 / self.alphabet
+
+    def batch(self, B: int, T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        L = (T - 1) // 2
+        if L < 1:
+            raise ValueError(f"Palindrome needs seq_len >= 3, got {T}")
+        sep = self.alphabet
+        s = _randint(self.alphabet, (B, L), gen)
+        ids = torch.cat([s, torch.full((B, 1), sep), s.flip(1), torch.full((B, T - 2 * L - 1), sep)], 1)
+        labels = torch.full_like(ids, IGNORE)
+        labels[:, L:2 * L] = ids[:, L + 1:2 * L + 1]                              # from the separator on
+        return ids, labels
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Random ``PUSH s x`` and ``POP s x`` over ``num_stacks`` stacks; scored on x after each POP (the top of
+    stack s). Pops only name non-empty stacks; the tail is padded with PUSH tokens.
+    Ids: stacks ``[0, num_stacks)``, values next, then PUSH and POP."""
+
+    num_stacks: int = 64
+    num_values: int = 128
+    name: str = "stack"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_stacks + self.num_values + 2
+
+    @property
+    def chance(self) -> float:
+        return 1 / self.num_values
+
+    def batch(self, B: int, T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        push, pop = self.num_stacks + self.num_values, self.num_stacks + self.num_values + 1
+        n_ops = T // 3
+        coin = torch.rand(B, n_ops, generator=gen).tolist()
+        pick = _randint(self.num_stacks, (B, n_ops), gen).tolist()
+        vals = (self.num_stacks + _randint(self.num_values, (B, n_ops), gen)).tolist()
+        ids = torch.full((B, T), push, dtype=torch.int64)
+        labels = torch.full((B, T), IGNORE, dtype=torch.int64)
+        for b in range(B):
+            stacks: list[list[int]] = [[] for _ in range(self.num_stacks)]
+            for i in range(n_ops):
+                nonempty = [s for s in range(self.num_stacks) if stacks[s]]
+                if nonempty and coin[b][i] < 0.5:
+                    s = nonempty[pick[b][i] % len(nonempty)]
+                    x = stacks[s].pop()
+                    ids[b, 3 * i:3 * i + 3] = torch.tensor([pop, s, x])
+                    labels[b, 3 * i + 1] = x
+                else:
+                    s, x = pick[b][i], vals[b][i]
+                    stacks[s].append(x)
+                    ids[b, 3 * i:3 * i + 3] = torch.tensor([push, s, x])
+        return ids, labels
+
+
+Task = MQAR | Palindrome | Stack
+TASKS: dict[str, type] = {"mqar": MQAR, "palindrome": Palindrome, "stack": Stack}
+
+
+def get_task(name: str, **sizes: int) -> Task:
+    """A task by name, with optional size fields (e.g. ``get_task("mqar", num_keys=16, num_values=16)``)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name](**sizes)
