@@ -157,8 +157,9 @@ class Trainer:
             last = self.step == c.steps
             if (c.eval_every and self.step % c.eval_every == 0) or last:
                 rec.update({f"eval_{k}": v for k, v in evaluate(self.model, self.source, self.device).items()})
-                bar.write(f"step {self.step}: loss {rec['loss']:.4f}  eval loss {rec['eval_loss']:.4f}  "
-                          f"eval accuracy {rec['eval_accuracy']:.3f}")
+                if c.progress:
+                    bar.write(f"step {self.step}: loss {rec['loss']:.4f}  eval loss {rec['eval_loss']:.4f}  "
+                              f"eval accuracy {rec['eval_accuracy']:.3f}")
             if c.out_dir and ((c.save_every and self.step % c.save_every == 0) or last):
                 self.save(os.path.join(c.out_dir, f"step-{self.step}"))
         bar.close()
