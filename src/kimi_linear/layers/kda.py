@@ -11,6 +11,7 @@ from torch import nn
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda
 
 from .norm import GatedRMSNorm
+from .packing import PackedLinears
 
 
 @dataclass
@@ -61,6 +62,12 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(head_dim, width, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps=eps)
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        self._pack: PackedLinears | None = None
+
+    def pack(self) -> None:
+        """Pack the six projections that read x (q, k, v, f_a, g_a, b) into one matrix; see ``PackedLinears``."""
+        self._pack = PackedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
+                                    self.b_proj])
 
     def empty_state(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> KDAState:
         """A zero state: what a sequence starts from."""
@@ -102,10 +109,13 @@ class KimiDeltaAttention(nn.Module):
         H, d = self.num_heads, self.head_dim
         if padding_mask is not None:
             x = x * padding_mask[..., None].to(x.dtype)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if self._pack is not None and self._pack.valid():
+            qkv, f_a, g_a, beta_raw = F.linear(x, self._pack.weight).split([3 * H * d, d, d, H], dim=-1)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            f_a, g_a, beta_raw = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
         q, k, v = self._conv(qkv, state).view(B, T, 3, H, d).unbind(2)
-        g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, d)
-        beta_raw = self.b_proj(x)
+        g_raw = self.f_b_proj(f_a).view(B, T, H, d)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         o, final = kda(
             q, k, v, g_raw, beta_raw,
@@ -120,6 +130,6 @@ class KimiDeltaAttention(nn.Module):
         )
         if state is not None:
             state.recurrent = final
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, d)
+        gate = self.g_b_proj(g_a).view(B, T, H, d)
         o = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.o_proj(o)

@@ -121,9 +121,15 @@ class NoPEMLA(nn.Module):
         kv = self.kv_b_proj(latent).view(B, L, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(B, H, L, self.rope)], dim=-1)
+        # SDPA's fused CPU/GPU kernels need equal q/k and v head widths (else it falls back to the slow math path,
+        # ~4x slower here): pad v with zeros to the q/k width and drop the padded output columns.
+        if self.v_dim < self.qk_dim:
+            v = F.pad(v, (0, self.qk_dim - self.v_dim))
         if attn_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
+        return o[..., : self.v_dim]
 
     def _absorbed(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """One query per row against the latent cache. q: [B, H, 1, qk]; entry: [B, L, 576]. Returns [B, H, 1, v]."""

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packing import PackedLinears
+
 
 class SwiGLUMLP(nn.Module):
     """``down_proj(SiLU(gate_proj(x)) * up_proj(x))``; checkpoint names ``{gate,up,down}_proj.weight``."""
@@ -15,7 +17,16 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._pack: PackedLinears | None = None
+
+    def pack(self) -> None:
+        """Pack gate_proj and up_proj (both read x) into one matrix; see ``PackedLinears``."""
+        self._pack = PackedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._pack is not None:
+            gate, up = self._pack(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

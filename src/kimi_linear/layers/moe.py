@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mlp import SwiGLUMLP
+from .packing import PackedLinears
 
 
 class Expert(nn.Module):
@@ -17,9 +18,15 @@ class Expert(nn.Module):
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self._pack: PackedLinears | None = None
+
+    def pack(self) -> None:
+        """Pack w1 and w3 (both read x) into one matrix; see ``PackedLinears``."""
+        self._pack = PackedLinears([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self._pack(x) if self._pack is not None else (self.w1(x), self.w3(x))
+        return self.w2(F.silu(gate) * up)
 
 
 class SigmoidTopKRouter(nn.Module):

@@ -167,7 +167,8 @@ def save_pretrained(
         for name, shard in zip(names, shards):
             final = os.path.join(path, name)
             tmp = _tmp_name(final)
-            save_file(shard, tmp, metadata={"format": "pt"})
+            # clone: packed projections are views of one storage, which safetensors refuses to write as is
+            save_file({k: t.clone() for k, t in shard.items()}, tmp, metadata={"format": "pt"})
             pending.append((tmp, final))
             bar.update(1)
         bar.close()

@@ -180,6 +180,10 @@ class KimiLinearForCausalLM(nn.Module):
                     mod.weight.data = w.t().contiguous().t()
                 elif out_f < in_f and col_major:
                     mod.weight.data = w.contiguous()
+        # Then pack projections that share an input (views into one matrix; see layers.packing).
+        for mod in self.modules():
+            if hasattr(mod, "pack") and mod is not self:
+                mod.pack()
         return self
 
     def cast(self, dtype: torch.dtype) -> KimiLinearForCausalLM:
@@ -188,7 +192,7 @@ class KimiLinearForCausalLM(nn.Module):
             raise TypeError(f"`dtype` must be float32, bfloat16 or float16, got {dtype}")
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
             t.data = t.data.to(torch.float32 if keeps_fp32(name) and dtype != torch.float64 else dtype)
-        return self
+        return self.optimize_layout()
 
     # ---------------------------------------------------------------------------------------------------- cache
     def new_cache(self, batch_size: int) -> HybridCache:
