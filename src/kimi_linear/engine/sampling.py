@@ -1,0 +1,70 @@
+"""Per-request sampling: greedy or temperature / top-k / top-p with the request's own seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kimi_linear.model.generation import sample_next
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks for. ``temperature == 0`` is greedy; ``logprobs`` = top alternatives per token
+    (None: no log-probs); ``stop`` strings end the text (not included); ``ignore_eos`` keeps going after EOS."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self) -> SamplingParams:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise ValueError(f"`max_tokens` must be a non-negative integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            raise ValueError(f"`temperature` must be a number in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"`top_k` must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"`logprobs` must be an integer in [0, 20], got {self.logprobs!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("`stop` must be a non-empty string or a list of non-empty strings")
+        return self
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A private generator per request: a seeded request samples the same tokens whatever else is running."""
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [vocab] (float32) -> one token id."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    top_k = params.top_k if params.top_k > 0 else 0
+    return int(sample_next(logits[None], params.temperature, top_k, params.top_p, generator)[0])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of ``token`` under the model's (untempered) distribution and the ``top`` best tokens."""
+    lp = logits.float().log_softmax(-1)
+    alts: list[tuple[int, float]] = []
+    if top > 0:
+        v, i = lp.topk(top)
+        alts = [(int(a), float(b)) for a, b in zip(i, v)]
+    return float(lp[token]), alts
