@@ -1,1 +1,8 @@
-"""Placeholder; see the issue tracker."""
+"""Triton kernels for KDA on CUDA (issue 4). :mod:`kimi_linear.ops.backend` dispatches CUDA tensors here.
+
+Imports cleanly without a GPU (the tests run the kernels under ``TRITON_INTERPRET=1`` on CPU tensors).
+"""
+
+from .recurrent import fused_recurrent_kda
+
+__all__ = ["fused_recurrent_kda"]

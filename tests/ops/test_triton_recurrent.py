@@ -1,0 +1,119 @@
+"""Triton fused_recurrent_kda under the interpreter (CPU) against the float64 reference.
+
+Outputs are poisoned with NaN before each run: an element the kernel forgets to write fails the comparison.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kimi_linear.ops import naive_recurrent_kda  # noqa: E402
+from kimi_linear.ops.gate import KernelOptions  # noqa: E402
+from kimi_linear.ops.triton import fused_recurrent_kda  # noqa: E402
+
+from .kda_cases import make_inputs, rel_err  # noqa: E402
+
+NAN = float("nan")
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """torch.empty hands out NaN-filled memory while a test runs, so unwritten outputs show up as NaN."""
+    real_empty = torch.empty
+
+    real_new_empty = torch.Tensor.new_empty
+    poison = lambda x: x.fill_(NAN) if x.is_floating_point() else x
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+
+
+def reference(x, opts: KernelOptions, cu_seqlens=None, initial_state=None):
+    """The float64 ground truth after the in-kernel transforms, applied in float64."""
+    d = {n: x[n].double() for n in ("q", "k", "v", "g", "beta")}
+    q, k, g, beta = opts.apply(d["q"], d["k"], d["g"], d["beta"])
+    return naive_recurrent_kda(q.double(), k.double(), d["v"], g.double(), beta.double(),
+                               initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens)
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_options_gva_initial_state(dtype, gate):
+    x = make_inputs(B=2, T=9, H=2, HV=4, K=32, V=16, raw=True, dtype=dtype, seed=21)
+    A_log, dt_bias = torch.randn(4), torch.randn(4 * 32)
+    opts = KernelOptions(True, True, True, False, A_log, dt_bias, -5.0 if gate == "lower_bound" else None)
+    o, S = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=32 ** -0.5,
+                               initial_state=x["initial_state"], output_final_state=True, **opts.kwargs())
+    o_ref, S_ref = reference(x, opts, initial_state=x["initial_state"])
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
+def test_neg_eigval_no_dt_bias_no_initial_state():
+    x = make_inputs(B=1, T=5, H=2, K=16, V=32, raw=True, seed=22, initial_state=False)
+    opts = KernelOptions(True, True, True, True, torch.randn(2), None, None)
+    o, S = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, **opts.kwargs())
+    o_ref, S_ref = reference(x, opts)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 67])
+def test_extreme_gates_and_lengths(T):
+    """Per-step gates of -1000 and exactly 0, one decode token and a multi-token prompt of odd length."""
+    x = make_inputs(B=3, T=T, H=2, HV=4, K=32, V=64, strong_decay=True, seed=23)
+    x["g"][:, 0] = -1000.0
+    o, S = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                               output_final_state=True)
+    o_ref, S_ref = reference(x, KernelOptions(), initial_state=x["initial_state"])
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+
+
+def test_varlen_with_length_one_sequences():
+    cu = torch.tensor([0, 1, 2, 13, 14, 20])
+    x = make_inputs(B=1, T=20, H=1, HV=2, K=32, V=32, N=5, dtype=torch.bfloat16, seed=24)
+    o, S = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                               output_final_state=True, cu_seqlens=cu)
+    o_ref, S_ref = reference(x, KernelOptions(), cu_seqlens=cu, initial_state=x["initial_state"])
+    assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
+
+
+def test_no_final_state_requested():
+    x = make_inputs(B=2, T=3, K=16, V=16, seed=25)
+    o, S = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"])
+    assert S is None
+    assert rel_err(o, reference(x, KernelOptions(), initial_state=x["initial_state"])[0]) < 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_state_pool_in_place(T):
+    """Sequences in slots 5, 0, 2 of an 8-slot pool: those rows advance, every other row keeps its bits."""
+    x = make_inputs(B=3, T=T, H=2, HV=4, K=32, V=16, seed=26)
+    pool = torch.randn(8, 4, 32, 16)
+    before = pool.clone()
+    slots = torch.tensor([5, 0, 2])
+    o, ret = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
+                                 output_final_state=True, state_indices=slots)
+    assert ret is pool
+    o_ref, S_ref = reference(x, KernelOptions(), initial_state=before[slots])
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(pool[slots], S_ref) < 1e-5
+    others = torch.tensor([i for i in range(8) if i not in (5, 0, 2)])
+    assert torch.equal(pool[others], before[others])
+    o2, ret2 = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=before.clone(),
+                                   state_indices=slots)
+    assert ret2 is None and torch.equal(o2, o)
+
+
+def test_block_v_variants_agree():
+    x = make_inputs(B=2, T=3, H=2, K=32, V=64, seed=27)
+    outs = [fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                output_final_state=True, block_v=bv) for bv in (8, 64)]
+    assert rel_err(outs[0][0], outs[1][0]) < 1e-6 and rel_err(outs[0][1], outs[1][1]) < 1e-6
