@@ -44,7 +44,7 @@ def delta_rule_chunked(
     def rows(x: torch.Tensor) -> torch.Tensor:
         # [B, T, HV, X] -> [N, HV, NC, C, X]
         x = layout.to_rows(x.to(dtype))
-        return x.reshape(s.N, NC, C, s.HV, -1).permute(0, 3, 1, 2, 4)
+        return x.reshape(s.N, NC, C, s.HV, -1).permute(0, 3, 1, 2, 4).contiguous()
 
     qc, kc = rows(expand_heads(q, s.HV)), rows(expand_heads(k, s.HV))
     vc, gc = rows(v), rows(g)

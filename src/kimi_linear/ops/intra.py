@@ -36,18 +36,13 @@ def _levels(C: int) -> tuple[int, ...]:
     return tuple(C >> s for s in range(1, C.bit_length()))
 
 
-@cache
-def _block_index(C: int, device: torch.device) -> torch.Tensor:
-    """Flat ``i * C + j`` positions of every off-diagonal block entry, level by level, then the diagonal."""
-    parts = []
-    for b in _levels(C):
-        p = torch.arange(C // (2 * b))[:, None, None]
-        i = torch.arange(b)[None, :, None]
-        j = torch.arange(b)[None, None, :]
-        rows, cols = (2 * p + 1) * b + i, 2 * p * b + j
-        parts.append((rows * C + cols).flatten())
-    parts.append(torch.arange(C) * (C + 1))
-    return torch.cat(parts).to(device)
+def _off_diagonal_blocks(A: torch.Tensor, b: int) -> torch.Tensor:
+    """View of the level-b blocks of A [..., C, C] as [..., P, b, b]: rows of the second half of each aligned
+    2b-block, columns of its first half."""
+    *lead, C, _ = A.shape
+    P = C // (2 * b)
+    A6 = A.view(*lead, P, 2, b, P, 2, b)
+    return A6.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
 
 
 def _halves(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -57,22 +52,25 @@ def _halves(x: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def run_sums(g: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Log decays over runs, for every level, from per-step gates g: [..., C, K].
+    """Log decays over runs, for every level, from per-step gates g: [..., C, K]. No autograd (see ChunkIntra).
 
     Returns ``(E, G, G_to_end)``: ``E[b]`` [..., C, K] holds, in the first half of each 2b-block, the sum after row
     j through the split point, and in the second half the sum after the split point through row i; ``G`` is
     ``sum_{m<=i} g_m`` and ``G_to_end`` is ``sum_{m>i} g_m`` over the whole chunk.
     """
     C = g.shape[-2]
-    prefix, suffix = g, torch.zeros_like(g)                                    # b = 1
+    prefix, suffix = g.clone(), torch.zeros_like(g)                            # level b = 1
     E = {}
     for b in reversed(_levels(C)):                                             # 1, 2, 4, ..., C/2
         p2, s2 = _halves(prefix, b), _halves(suffix, b)
-        E[b] = torch.stack([s2[..., 0, :, :], p2[..., 1, :, :]], dim=-3).flatten(-4, -2)
-        first_total = p2[..., 0, -1:, :]                                      # [.., P, 1, K]
-        second_total = p2[..., 1, -1:, :]
-        prefix = torch.stack([p2[..., 0, :, :], p2[..., 1, :, :] + first_total], dim=-3).flatten(-4, -2)
-        suffix = torch.stack([s2[..., 0, :, :] + second_total, s2[..., 1, :, :]], dim=-3).flatten(-4, -2)
+        E_b = suffix.clone()
+        _halves(E_b, b)[..., 1, :, :] = p2[..., 1, :, :]
+        E[b] = E_b
+        # Grow both to blocks of 2b, in place: the second half's prefix continues after the first half's total;
+        # the first half's suffix continues through the second half's total.
+        first_total, second_total = p2[..., 0, -1:, :].clone(), p2[..., 1, -1:, :].clone()
+        p2[..., 1, :, :] += first_total
+        s2[..., 0, :, :] += second_total
     return E, prefix, suffix
 
 
@@ -116,17 +114,12 @@ class ChunkIntra(torch.autograd.Function):
     def forward(ctx, q, k, g):
         *lead, C, K = q.shape
         E, G, G_to_end = run_sums(g)
-        qk_vals, kk_vals = [], []
+        A_qk, A_kk = q.new_zeros(*lead, C, C), q.new_zeros(*lead, C, C)
         for b in _levels(C):
-            *_, B_qk, B_kk = _level_blocks(q, k, safe_exp(E[b]), b)
-            qk_vals.append(B_qk.reshape(*lead, -1))
-            kk_vals.append(B_kk.reshape(*lead, -1))
-        qk_vals.append((q * k).sum(-1))                                        # diagonal: no decay from i to i
-        kk_vals.append(torch.zeros_like(qk_vals[-1]))
-        index = _block_index(C, q.device)
-        zeros = q.new_zeros(*lead, C * C)
-        A_qk = zeros.index_copy(-1, index, torch.cat(qk_vals, -1)).view(*lead, C, C)
-        A_kk = zeros.index_copy(-1, index, torch.cat(kk_vals, -1)).view(*lead, C, C)
+            *_, B_qk, B_kk = _level_blocks(q, k, E[b].clamp_min_(EXP_FLOOR).exp_(), b)
+            _off_diagonal_blocks(A_qk, b).copy_(B_qk)
+            _off_diagonal_blocks(A_kk, b).copy_(B_kk)
+        A_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))                 # diagonal: no decay from i to i
         ctx.save_for_backward(q, k, g)
         return A_qk, A_kk, G, G_to_end
 
@@ -138,19 +131,13 @@ class ChunkIntra(torch.autograd.Function):
         dA_kk = torch.zeros_like(dA_qk) if dA_kk is None else dA_kk
         dG = torch.zeros_like(g) if dG is None else dG
         dG_to_end = torch.zeros_like(g) if dG_to_end is None else dG_to_end
-        index = _block_index(C, q.device)
-        d_qk_vals = dA_qk.reshape(*lead, C * C).index_select(-1, index)
-        d_kk_vals = dA_kk.reshape(*lead, C * C).index_select(-1, index)
-        d_diag = d_qk_vals[..., -C:, None]                                     # [.., C, 1]
+        dA_qk, dA_kk = dA_qk.contiguous(), dA_kk.contiguous()
+        d_diag = dA_qk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)                # [.., C, 1]
         dq, dk = d_diag * k, d_diag * q
         E, _, _ = run_sums(g)
-        dE, offset = {}, 0
+        dE = {}
         for b in _levels(C):
-            P = C // (2 * b)
-            n = P * b * b
-            dB_qk = d_qk_vals[..., offset:offset + n].reshape(*lead, P, b, b)
-            dB_kk = d_kk_vals[..., offset:offset + n].reshape(*lead, P, b, b)
-            offset += n
+            dB_qk, dB_kk = _off_diagonal_blocks(dA_qk, b), _off_diagonal_blocks(dA_kk, b)
             F = safe_exp(E[b])
             q2F, k2F, k1F, _, _ = _level_blocks(q, k, F, b)
             d_q2F, d_k2F = dB_qk @ k1F, dB_kk @ k1F                            # [.., P, b, K]
