@@ -107,6 +107,7 @@ class Trainer:
         )
         self.step = 0
         self.history: list[dict] = []
+        self.tokenizer = None            # saved beside each checkpoint when set (text training)
 
     # --------------------------------------------------------------------------------------------- one step
     def lr(self, step: int) -> float:
@@ -173,6 +174,8 @@ class Trainer:
         tmp = f"{path}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tmp)
         torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(), "history": self.history,
                     "config": self.config.to_json()}, os.path.join(tmp, STATE_FILE))
         with open(os.path.join(tmp, "train_config.json"), "w", encoding="utf-8") as f:
