@@ -1,1 +1,1 @@
-"""Placeholder; see the issue tracker."""
+"""OpenAI-compatible HTTP server over the serving engine (issue 6)."""

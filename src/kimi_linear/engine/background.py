@@ -1,0 +1,102 @@
+"""Runs an :class:`LLMEngine` in its own thread and hands outputs to asyncio consumers.
+
+The model call blocks for milliseconds to seconds, so it must not run on the event loop. Requests and aborts
+cross into the engine thread through a queue (the engine itself is single-threaded); outputs come back through
+``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .engine import LLMEngine
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+
+log = logging.getLogger("kimi_linear.engine")
+
+
+class EngineLoop:
+    """Background thread that steps the engine whenever it has work."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.lock = threading.Lock()       # held during a step; readers of engine state (metrics) take it too
+        self._thread = threading.Thread(target=self._run, name="kimi-linear-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: Any) -> None:
+        """Validate now (raises ValueError for the HTTP layer), enqueue for the engine thread."""
+        self.engine.check_request(prompt_ids, params)
+        self._cmds.put(("add", (request_id, prompt_ids, params, on_output)))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            return self.engine.stats()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until the request finishes; aborts it if the consumer stops early (client gone)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.submit(request_id, prompt_ids, params, lambda o: loop.call_soon_threadsafe(q.put_nowait, o))
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "add":
+                    self.engine.add_request(*arg)
+                else:
+                    self.engine.abort(arg)
+            except Exception as e:  # a bad request must not take the engine down
+                log.exception("engine: %s failed", kind)
+                if kind == "add" and arg[3] is not None:
+                    arg[3](RequestOutput(arg[0], [], "", finished=True, finish_reason="error", error=str(e)))
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.clear()         # before draining: a submit after this point wakes the next wait
+            with self.lock:
+                self._drain()
+                busy = self.engine.has_work()
+                if busy:
+                    try:
+                        self.engine.step()
+                    except Exception as e:  # never leave clients hanging: fail what is running, keep serving
+                        log.exception("engine step failed")
+                        for seq in list(self.engine.running) + list(self.engine.waiting):
+                            self.engine._finish(seq, "error", emit=True)
+                        del e
+            if not busy:
+                self._wake.wait(timeout=0.5)

@@ -1,0 +1,38 @@
+"""Prometheus text exposition of the engine's gauges and counters."""
+
+from __future__ import annotations
+
+GAUGES = {
+    "running": "requests running (holding a KDA state slot)",
+    "waiting": "requests queued for a slot or cache blocks",
+    "kda_slots_used": "KDA state slots in use", "kda_slots_total": "KDA state slots",
+    "kda_snapshots_used": "KDA prefix-cache snapshots held", "kda_snapshots_total": "KDA snapshot slots",
+    "mla_blocks_used": "MLA latent blocks referenced by requests",
+    "mla_blocks_cached_free": "unreferenced MLA blocks kept for prefix reuse (evictable)",
+    "mla_blocks_total": "MLA latent blocks in the pool",
+    "generation_tokens_per_s": "generated tokens per second over the last 10 s",
+}
+COUNTERS = {
+    "prompt_tokens": "prompt tokens received",
+    "generation_tokens": "tokens generated",
+    "prefill_tokens": "tokens run through prefill forwards (prompt tokens minus prefix-cache hits, plus recompute)",
+    "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
+    "prefix_cache_queries": "requests looked up in the prefix cache",
+    "prefix_cache_hits": "requests that reused a cached prefix",
+    "preemptions": "sequences preempted for cache blocks (recomputed later)",
+    "requests_finished": "requests finished", "requests_aborted": "requests aborted (client gone)",
+    "steps": "engine steps", "decode_forwards": "batched decode forwards", "prefill_forwards": "prefill forwards",
+}
+
+
+def render_metrics(stats: dict[str, float], uptime_s: float) -> str:
+    lines = []
+    for name, help_ in GAUGES.items():
+        lines += [f"# HELP kimi_linear_{name} {help_}", f"# TYPE kimi_linear_{name} gauge",
+                  f"kimi_linear_{name} {stats[name]:g}"]
+    for name, help_ in COUNTERS.items():
+        lines += [f"# HELP kimi_linear_{name}_total {help_}", f"# TYPE kimi_linear_{name}_total counter",
+                  f"kimi_linear_{name}_total {stats[name]:g}"]
+    lines += ["# HELP kimi_linear_uptime_seconds seconds since start", "# TYPE kimi_linear_uptime_seconds gauge",
+              f"kimi_linear_uptime_seconds {uptime_s:.3f}"]
+    return "\n".join(lines) + "\n"
