@@ -63,6 +63,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(head_dim, eps=eps)
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
         self._pack: PackedLinears | None = None
+        self._conv_cache: tuple | None = None
 
     def pack(self) -> None:
         """Pack the six projections that read x (q, k, v, f_a, g_a, b) into one matrix; see ``PackedLinears``."""
@@ -84,8 +85,7 @@ class KimiDeltaAttention(nn.Module):
         """
         B, T, C = x.shape
         W = self.conv_size
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
-        w = w[:, 0].t().to(x.dtype)                                                            # [W, C]
+        w = self._conv_weight(x.dtype)                                                         # [W, C]
         past = state.conv if state is not None else x.new_zeros(B, W - 1, C)
         full = torch.cat([past.to(x.dtype), x], dim=1)                                         # [B, W-1+T, C]
         if state is not None:
@@ -94,6 +94,18 @@ class KimiDeltaAttention(nn.Module):
         for j in range(1, W):
             y.addcmul_(full[:, j : j + T], w[j])
         return F.silu(y)
+
+    def _conv_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """q|k|v conv taps as one [W, 3*H*d] tensor. Cached between calls (it is rebuilt whenever a conv weight
+        changes: storage or in-place version), because decoding pays per op; under autograd it is always rebuilt."""
+        ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = (dtype, *((w.data_ptr(), w._version) for w in ws))
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return torch.cat(ws, 0)[:, 0].t().to(dtype)
+        if self._conv_cache is None or self._conv_cache[0] != key:
+            with torch.no_grad():
+                self._conv_cache = (key, torch.cat(ws, 0)[:, 0].t().to(dtype).contiguous())
+        return self._conv_cache[1]
 
     def forward(
         self, x: torch.Tensor, state: KDAState | None = None, padding_mask: torch.Tensor | None = None

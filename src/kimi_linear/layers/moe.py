@@ -25,8 +25,11 @@ class Expert(nn.Module):
         self._pack = PackedLinears([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._pack(x) if self._pack is not None else (self.w1(x), self.w3(x))
-        return self.w2(F.silu(gate) * up)
+        if self._pack is not None and self._pack.valid():
+            gate, up = F.linear(x, self._pack.weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return F.linear(F.silu(gate) * up, self.w2.weight)
 
 
 class SigmoidTopKRouter(nn.Module):
@@ -110,8 +113,8 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(flat)
         if flat.shape[0] == 1:
             # Decode: one token, k experts; skip the sort / bincount machinery (pure overhead at this size).
-            for j, e in enumerate(idx[0].tolist()):
-                out = out + (self.experts[e](flat) * weights[:, j : j + 1]).to(out.dtype)
+            for e, w in zip(idx[0].tolist(), weights[0].unbind()):
+                out.add_((self.experts[e](flat) * w).to(out.dtype))
         else:
             self._dispatch(flat, weights, idx, out)
         if self.shared_experts is not None:
