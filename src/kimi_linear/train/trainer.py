@@ -53,6 +53,9 @@ class TrainConfig:
     save_every: int = 0                  # 0: only at the end (when out_dir is set)
     out_dir: str | None = None
     bf16: bool = True                    # autocast on CUDA; ignored on CPU
+    balance: str | None = None           # MoE router bias update: None, "sign" or "quantile" (see balancing.py)
+    balance_rate: float = 1e-3           # step of the sign rule
+    balance_damping: float = 0.5         # blend of the quantile rule
     progress: bool = True
     history: list[dict] = field(default_factory=list, repr=False)
 
@@ -91,6 +94,36 @@ def evaluate(model: torch.nn.Module, source: BatchSource, device: torch.device) 
     return {"loss": total_loss / max(1, total), "accuracy": total_correct / max(1, total)}
 
 
+class RouterWatch:
+    """Collects each MoE router's scores during a step (forward hooks) and applies a bias update rule after it.
+
+    A router is any module with ``weight`` [E, D], ``top_k`` and an ``e_score_correction_bias`` buffer.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "top_k")]
+        self.inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(self.routers))}
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(lambda mod, args, out, i=i: self.inputs[i].append(args[0].detach()))
+
+    @torch.no_grad()
+    def update(self, rule: str, **kw) -> list[float]:
+        """Update every router's bias from this step's tokens; return each router's max/mean expert load."""
+        from .balancing import expert_load, imbalance, update_bias
+
+        loads = []
+        for i, router in enumerate(self.routers):
+            if not self.inputs[i]:
+                continue
+            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in self.inputs[i]])
+            scores = torch.sigmoid(x.float() @ router.weight.float().t())
+            bias = router.e_score_correction_bias
+            loads.append(imbalance(expert_load(scores, bias.float(), router.top_k)))
+            bias.copy_(update_bias(rule, bias.float(), scores, router.top_k, **kw))
+            self.inputs[i].clear()
+        return loads
+
+
 class Trainer:
     """Train ``model`` on ``source`` under ``config``. ``step`` is the number of optimizer steps taken."""
 
@@ -108,6 +141,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.tokenizer = None            # saved beside each checkpoint when set (text training)
+        self.routers = RouterWatch(model) if config.balance else None
 
     # --------------------------------------------------------------------------------------------- one step
     def lr(self, step: int) -> float:
@@ -138,6 +172,9 @@ class Trainer:
         self.step += 1
         record = {"step": self.step, "loss": loss_sum / c.grad_accum, "grad_norm": grad_norm, "lr": lr,
                   "tokens": tokens}
+        if self.routers is not None:
+            kw = {"rate": c.balance_rate} if c.balance == "sign" else {"damping": c.balance_damping}
+            record["expert_load_max_over_mean"] = self.routers.update(c.balance, **kw)
         self.history.append(record)
         return record
 
