@@ -76,3 +76,26 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def tokens(batch: int, length: int, seed: int) -> torch.Tensor:
     """Random ids avoiding the special ids 0-2."""
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def published_48b_config() -> dict:
+    """config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct as published (remote-code era field names)."""
+    full = [4, 8, 12, 16, 20, 24, 27]
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig",
+                     "AutoModel": "modeling_kimi.KimiLinearModel",
+                     "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"},
+        "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+        "kv_lora_rank": 512, "mla_use_nope": True, "model_max_length": 1048576, "model_type": "kimi_linear",
+        "linear_attn_config": {"full_attn_layers": full, "head_dim": 128, "num_heads": 32,
+                               "kda_layers": [i for i in range(1, 28) if i not in full], "short_conv_kernel_size": 4},
+        "moe_intermediate_size": 1024, "moe_layer_freq": 1, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "num_attention_heads": 32, "num_expert_group": 1,
+        "num_experts": 256, "num_experts_per_token": 8, "num_hidden_layers": 27, "num_key_value_heads": 32,
+        "num_nextn_predict_layers": 0, "num_shared_experts": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "routed_scaling_factor": 2.446,
+        "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16", "use_cache": True,
+        "v_head_dim": 128, "vocab_size": 163840,
+    }

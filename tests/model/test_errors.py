@@ -104,3 +104,33 @@ def test_bad_tensors_and_masks():
         KimiLinearForCausalLM.from_pretrained  # noqa: B018  (exists)
         from kimi_linear.model.checkpoint import resolve_dtype
         resolve_dtype("int8")
+
+
+def test_published_config_loads_and_unsupported_options_are_refused():
+    """A config.json in the published Kimi-Linear-48B form (linear_attn_config, auto_map, extra fields) loads with
+    the right layout; options that would change the math are refused by name."""
+    from .helpers import published_48b_config
+
+    c = config_from_dict(published_48b_config())
+    assert [i + 1 for i, t in enumerate(c.layer_types) if t == "full_attention"] == [4, 8, 12, 16, 20, 24, 27]
+    assert c.mlp_layer_types[0] == "dense" and set(c.mlp_layer_types[1:]) == {"sparse"}
+    assert (c.num_local_experts, c.num_experts_per_tok, c.linear_head_dim, c.dtype) == (256, 8, 128, torch.bfloat16)
+    for field, value, match in [("moe_router_activation_func", "softmax", "moe_router_activation_func"),
+                                ("mla_use_nope", False, "mla_use_nope"),
+                                ("mla_use_output_gate", True, "mla_use_output_gate")]:
+        with pytest.raises(ValueError, match=match):
+            config_from_dict({**published_48b_config(), field: value})
+    raw = published_48b_config()
+    raw["linear_attn_config"]["gate_lower_bound"] = -5.0
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        config_from_dict(raw)
+
+
+def test_tokenizer_code_is_never_fetched(tmp_path):
+    """A tokenizer that names remote code not present in the directory is refused instead of downloaded."""
+    from kimi_linear.model.tokenizer import load_tokenizer
+
+    json.dump({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}},
+              open(tmp_path / "tokenizer_config.json", "w"))
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_tokenizer(str(tmp_path))

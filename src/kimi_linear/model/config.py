@@ -102,6 +102,19 @@ def validate_config(config: KimiLinearConfig) -> KimiLinearConfig:
                              "(a layer missing from the kind lists?)")
     if config.hidden_act != "silu":
         raise ValueError(f"config field `hidden_act` must be 'silu', got {config.hidden_act!r}")
+    if getattr(config, "moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ValueError("config field `moe_router_activation_func` must be 'sigmoid', got "
+                         f"{config.moe_router_activation_func!r}")
+    if getattr(config, "mla_use_nope", True) is False:
+        raise ValueError("config field `mla_use_nope` is false: rotary MLA is not part of Kimi Linear (NoPE only)")
+    # Kimi K3 options (SPEC section 6) change the math; refuse them rather than silently computing something else.
+    lac = getattr(config, "linear_attn_config", None) or {}
+    k3 = [f"linear_attn_config.{f}" for f in ("gate_lower_bound", "use_full_rank_gate") if lac.get(f)]
+    k3 += [f for f in ("mla_use_output_gate", "attn_res_block_size", "routed_expert_hidden_size")
+           if getattr(config, f, None)]
+    if k3:
+        raise ValueError(f"config field(s) {', '.join(f'`{f}`' for f in k3)} select Kimi K3 features that this "
+                         "Kimi Linear model does not implement yet")
     if "sparse" in config.mlp_layer_types:
         if config.num_experts_per_tok > config.num_local_experts:
             raise ValueError(f"config field `num_experts_per_token` ({config.num_experts_per_tok}) exceeds "
