@@ -30,6 +30,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = False
         self.lock = threading.Lock()       # held during a step; readers of engine state (metrics) take it too
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="kimi-linear-engine", daemon=True)
         self._thread.start()
 
@@ -49,8 +50,9 @@ class EngineLoop:
         self._wake.set()
 
     def stats(self) -> dict[str, float]:
-        with self.lock:
-            return self.engine.stats()
+        """The snapshot published after the latest step: never waits for a running step (the event loop calls
+        this, and blocking it would stall every connection)."""
+        return self._stats
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -98,5 +100,6 @@ class EngineLoop:
                         for seq in list(self.engine.running) + list(self.engine.waiting):
                             self.engine._finish(seq, "error", emit=True)
                         del e
+                self._stats = self.engine.stats()
             if not busy:
                 self._wake.wait(timeout=0.5)

@@ -195,6 +195,7 @@ class LLMEngine:
             else:
                 self.slots.reset(seq.slot)
             seq.num_computed = len(shared) * bs
+            seq.prefill_target = seq.num_tokens()       # tokens to (re)compute before decoding new ones
             if not seq.admitted_once:
                 self.counters["prefix_cache_queries"] += 1
                 self.counters["prefix_cache_hits"] += bool(shared)
@@ -297,6 +298,8 @@ class LLMEngine:
         self.slots.scatter([s.slot for s in seqs], [cache.layers[k] for k in self.kda_idx])
         for r, s in enumerate(seqs):
             self.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
+            # Prompt (or recomputed) tokens count as prefill even when the last one rides in a decode batch.
+            self.counters["prefill_tokens"] += max(0, min(ps[r] + T, s.prefill_target) - ps[r])
             s.num_computed += T
         return logits
 
@@ -365,7 +368,6 @@ class LLMEngine:
             if not self._reserve(pre, p + T):
                 continue
             self.counters["prefill_forwards"] += 1
-            self.counters["prefill_tokens"] += T
             logits = self._forward([pre], T)
             self._register_blocks(pre, snapshot=True)
             self._after_forward(pre, logits[0])

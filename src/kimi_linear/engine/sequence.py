@@ -94,6 +94,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0          # tokens whose KDA state / MLA latents are in the cache
         self.num_hashed = 0            # full blocks already registered for prefix sharing
+        self.prefill_target = 0        # tokens to (re)compute after admission before sampling
         self.cached_tokens = 0         # prompt tokens served from the prefix cache (first admission)
         self.admitted_once = False
         self.arrival = time.monotonic()
