@@ -3,6 +3,7 @@
 Imports cleanly without a GPU (the tests run the kernels under ``TRITON_INTERPRET=1`` on CPU tensors).
 """
 
+from .chunk import chunk_kda
 from .recurrent import fused_recurrent_kda
 
-__all__ = ["fused_recurrent_kda"]
+__all__ = ["chunk_kda", "fused_recurrent_kda"]

@@ -44,3 +44,4 @@ def beta_transform(b_beta, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
         if NEG_EIGVAL:
             b_beta = 2.0 * b_beta
     return b_beta
+

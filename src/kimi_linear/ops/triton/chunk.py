@@ -1,0 +1,173 @@
+"""Triton ``chunk_kda``: the chunkwise forward in two kernels (chunk_intra.py, then chunk_scan.py).
+
+Backward: not yet a Triton kernel. A differentiable call runs the Triton forward and, in backward, recomputes the
+forward with the PyTorch chunkwise path and differentiates that (correct, and it holds no per-chunk state between
+forward and backward; not fast).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..checks import KDAShape, check_gate_params
+from ..chunk import delta_rule_chunked
+from ..gate import KernelOptions
+from .chunk_intra import chunk_kda_fwd_intra_kernel
+from .chunk_scan import chunk_kda_fwd_scan_kernel
+
+BT = 64        # chunk size
+BC = 16        # sub-block inside a chunk
+
+
+def _varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(chunk_indices [NT, 2] int32: sequence and chunk within it; chunk_offsets [N+1] int32; NT)."""
+    bounds = cu_seqlens.tolist()
+    counts = [triton.cdiv(e - s, BT) for s, e in zip(bounds[:-1], bounds[1:])]
+    pairs = [(n, c) for n, m in enumerate(counts) for c in range(m)]
+    offsets = [0]
+    for m in counts:
+        offsets.append(offsets[-1] + m)
+    dev = cu_seqlens.device
+    table = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32, device=dev)
+    return table, torch.tensor(offsets, dtype=torch.int32, device=dev), len(pairs)
+
+
+def chunk_kda_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
+    cu_seqlens: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    dev = q.device
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    if T == 0:
+        if ht is not None:
+            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
+        return o, ht
+    if cu_seqlens is None:
+        NT_seq = triton.cdiv(T, BT)
+        NT, chunk_indices, chunk_offsets = B * NT_seq, None, None
+    else:
+        NT_seq = 0
+        chunk_indices, chunk_offsets, NT = _varlen_tables(cu_seqlens)
+    # Intermediates in float32 except kend (see chunk_scan.py); products in tf32 for 16-bit inputs, exact (ieee)
+    # for float32 inputs.
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    prec = "tf32" if half else "ieee"
+    f32 = dict(dtype=torch.float32, device=dev)
+    qg = torch.empty(B, T, HV, K, **f32)
+    kend = torch.empty(B, T, HV, K, dtype=q.dtype if half else torch.float32, device=dev)
+    w = torch.empty(B, T, HV, K, **f32)
+    u = torch.empty(B, T, HV, V, **f32)
+    Aqk = torch.empty(B, T, HV, BT, **f32)
+    decay = torch.empty(max(NT, 1), HV, K, dtype=torch.float32, device=dev)
+    BK = triton.next_power_of_2(K)
+    dummy = o
+    A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
+    dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
+    if NT > 0:
+        chunk_kda_fwd_intra_kernel[(NT, HV)](
+            q, k, v, g, beta,
+            A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            cu_seqlens if cu_seqlens is not None else dummy,
+            chunk_indices if chunk_indices is not None else dummy,
+            qg, kend, w, u, Aqk, decay,
+            float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T, NT_seq,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, triton.next_power_of_2(V)),
+            IS_VARLEN=cu_seqlens is not None, USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel,
+            USE_GATE=opts.use_gate_in_kernel, USE_LOWER_BOUND=opts.lower_bound is not None,
+            HAS_DT_BIAS=dt_bias is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+            NEG_EIGVAL=opts.allow_neg_eigval, PREC=prec, num_warps=4,
+        )
+    BV = block_v or (32 if N * HV >= 512 else 16)
+    BV = min(BV, triton.next_power_of_2(V))
+    chunk_kda_fwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+        qg, kend, w, u, Aqk, decay, o,
+        initial_state if initial_state is not None else dummy, ht if ht is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy, chunk_offsets if chunk_offsets is not None else dummy,
+        scale, T,
+        HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        IS_VARLEN=cu_seqlens is not None, USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=output_final_state, PREC=prec,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
+    )
+    return o, ht
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Triton forward; backward by recomputing the PyTorch chunkwise path and differentiating it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, scale, output_final_state, opts, cu_seqlens):
+        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+        ctx.scale, ctx.opts = scale, opts
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+        leaves = [x.detach().requires_grad_(need) if x is not None else None
+                  for x, need in zip((q, k, v, g, beta, h0, A_log, dt_bias), ctx.needs_input_grad[:8])]
+        with torch.enable_grad():
+            o_ = ctx.opts
+            opts = KernelOptions(o_.use_qk_l2norm_in_kernel, o_.use_gate_in_kernel, o_.use_beta_sigmoid_in_kernel,
+                                 o_.allow_neg_eigval, leaves[6], leaves[7], o_.lower_bound)
+            qq, kk, gg, bb = opts.apply(leaves[0], leaves[1], leaves[3], leaves[4])
+            B, T, H, K = q.shape
+            N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+            shape = KDAShape(B=B, T=T, H=H, HV=v.shape[2], K=K, V=v.shape[3], N=N)
+            o, ht = delta_rule_chunked(qq, kk, leaves[2], gg, bb, shape, ctx.scale, leaves[5], cu_seqlens)
+            outs, grads = [o], [do.to(o.dtype)]
+            if dht is not None:
+                outs.append(ht)
+                grads.append(dht.to(ht.dtype))
+            wrt = [x for x in leaves if x is not None and x.requires_grad]
+            got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+        dx = [next(got) if x is not None and x.requires_grad else None for x in leaves]
+        dx = [None if d is None else d.to(x.dtype) for d, x in zip(dx, (q, k, v, g, beta, h0, A_log, dt_bias))]
+        return (*dx, None, None, None, None)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    allow_neg_eigval: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton ``chunk_kda``: same contract as :func:`kimi_linear.ops.chunk_kda` (inputs validated there)."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    scale = K ** -0.5 if scale is None else scale
+    if use_gate_in_kernel:
+        check_gate_params(HV, K, A_log, dt_bias, lower_bound)
+    elif A_log is not None or dt_bias is not None or lower_bound is not None:
+        raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
+    opts = KernelOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                         A_log, dt_bias, lower_bound)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens)
+        return o, (ht if output_final_state else None)
+    return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens)
