@@ -50,9 +50,9 @@ def run_all(engine: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]]
 
 def test_continuous_batching_matches_single_request_greedy(model):
     rng = random.Random(1)
-    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 100))],
-                     SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0)) for i in range(12)}
-    # 5 slots for 12 requests: they join and leave between steps; prefill chunks of 32 interleave with decode.
+    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 70))],
+                     SamplingParams(max_tokens=rng.randrange(1, 16), temperature=0)) for i in range(10)}
+    # 5 slots for 10 requests: they join and leave between steps; prefill chunks of 32 interleave with decode.
     engine = LLMEngine(model, EngineConfig(max_num_seqs=5, prefill_chunk=32))
     outs = run_all(engine, reqs)
     for k, (p, sp) in reqs.items():
@@ -63,15 +63,16 @@ def test_continuous_batching_matches_single_request_greedy(model):
 
 def test_pool_overflow_preempts_and_recomputes_exactly(model):
     rng = random.Random(2)
-    reqs = {str(i): ([rng.randrange(256) for _ in range(40)], SamplingParams(max_tokens=40, temperature=0,
-                                                                             ignore_eos=True)) for i in range(6)}
-    # 12 blocks x 16 = 192 tokens for 6 sequences that each grow to 80: admission waits, decode preempts.
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=6, num_blocks=12, prefill_chunk=16, prefix_caching=False))
+    reqs = {str(i): ([rng.randrange(256) for _ in range(20)], SamplingParams(max_tokens=28, temperature=0,
+                                                                             ignore_eos=True)) for i in range(4)}
+    # 7 blocks x 16 = 112 tokens for 4 sequences that each grow to 48: admitted with 2 blocks each, decode runs
+    # out of blocks and preempts the newest, which is recomputed from its tokens later.
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, num_blocks=7, prefill_chunk=16, prefix_caching=False))
     outs = run_all(engine, reqs)
     assert engine.counters["preemptions"] > 0
     for k, (p, _) in reqs.items():
-        assert outs[k] == reference(model, p, 40, eos=False), k
-    assert engine.blocks.num_free() == 12 and len(engine.slots.free) == 6
+        assert outs[k] == reference(model, p, 28, eos=False), k
+    assert engine.blocks.num_free() == 7 and len(engine.slots.free) == 4
 
 
 def test_prefix_cache_reuses_blocks_and_kda_snapshot(model):

@@ -70,6 +70,7 @@ class LLMEngine:
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefix_cache_hit_tokens=0,
                              prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, requests_finished=0,
                              requests_aborted=0, steps=0, decode_forwards=0, prefill_forwards=0)
+        self._hold_admission = False                            # set by a preemption, cleared by a finish
         self._recent: deque[tuple[float, int]] = deque()        # (time, tokens) for tokens/s
 
     # ------------------------------------------------------------------------------------------- bookkeeping
@@ -182,8 +183,13 @@ class LLMEngine:
             shared, h = self._match_prefix(seq)
             revived = sum(1 for b in shared if self.blocks.ref[b] == 0)
             need = math.ceil((seq.num_tokens() + 1) / bs) - len(shared)
-            if need > self.blocks.num_free() - revived:
+            # Headroom of one block per running sequence, and no admission after a preemption until something
+            # finishes: otherwise the victim is readmitted at once, recomputed, and preempted again (thrashing).
+            headroom = len(self.running)
+            if self.running and (self._hold_admission or need > self.blocks.num_free() - revived - headroom):
                 break                                   # head of line waits for blocks (FIFO, no starvation)
+            if need > self.blocks.num_free() - revived:
+                break
             self.waiting.popleft()
             seq.slot = self.slots.alloc()
             for b in shared:
@@ -217,6 +223,7 @@ class LLMEngine:
     def _preempt(self, seq: Sequence) -> None:
         """Give back a running sequence's slot and blocks; it is recomputed from its tokens when readmitted."""
         self.counters["preemptions"] += 1
+        self._hold_admission = True
         self._release(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
@@ -248,6 +255,7 @@ class LLMEngine:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        self._hold_admission = False
         self.by_id.pop(seq.request_id, None)
         if reason != "abort":
             self.counters["requests_finished"] += 1
