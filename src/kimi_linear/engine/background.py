@@ -31,6 +31,7 @@ class EngineLoop:
         self._stop = False
         self.lock = threading.Lock()       # held during a step; readers of engine state (metrics) take it too
         self._stats = engine.stats()
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
         self._thread = threading.Thread(target=self._run, name="kimi-linear-engine", daemon=True)
         self._thread.start()
 
@@ -59,11 +60,14 @@ class EngineLoop:
         """Yield outputs until the request finishes; aborts it if the consumer stops early (client gone)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.submit(request_id, prompt_ids, params, lambda o: loop.call_soon_threadsafe(q.put_nowait, o))
+        # Called in the engine thread: collected, then handed to the event loop once per step (see _flush).
+        self.submit(request_id, prompt_ids, params, lambda o: self._outbox.append((loop, q, o)))
         finished = False
         try:
             while not finished:
                 out = await q.get()
+                while not out.finished and not q.empty():     # the consumer fell behind: send one merged update
+                    out = merge(out, q.get_nowait())
                 finished = out.finished
                 yield out
         finally:
@@ -86,6 +90,20 @@ class EngineLoop:
                 if kind == "add" and arg[3] is not None:
                     arg[3](RequestOutput(arg[0], [], "", finished=True, finish_reason="error", error=str(e)))
 
+    def _flush(self) -> None:
+        """One wake-up of the event loop per step for all outputs (not one per token per request)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, q, o in self._outbox:
+            by_loop.setdefault(loop, []).append((q, o))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:     # that loop is closed: its consumers are gone
+                pass
+
     def _run(self) -> None:
         while not self._stop:
             self._wake.clear()         # before draining: a submit after this point wakes the next wait
@@ -101,5 +119,20 @@ class EngineLoop:
                             self.engine._finish(seq, "error", emit=True)
                         del e
                 self._stats = self.engine.stats()
+                self._flush()
             if not busy:
                 self._wake.wait(timeout=0.5)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, o in items:
+        q.put_nowait(o)
+
+
+def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one."""
+    return RequestOutput(
+        request_id=a.request_id, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, finished=b.finished,
+        finish_reason=b.finish_reason, logprobs=a.logprobs + b.logprobs, prompt_tokens=b.prompt_tokens,
+        completion_tokens=b.completion_tokens, cached_tokens=b.cached_tokens, error=b.error,
+    )

@@ -33,7 +33,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--num-snapshots", type=int, default=None, help="KDA prefix snapshots (default 4 x seqs)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (= the checkpoint's)")
-    s.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    s.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: torch's choice minus one, leaving a core for HTTP)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
@@ -58,8 +59,8 @@ def build_server(args: argparse.Namespace) -> Any:
 
     from .app import ServerState, create_app
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # The HTTP event loop needs a core too: on CPU, torch's default (all cores) makes the two fight.
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     cfg = EngineConfig(
         max_num_seqs=args.max_num_seqs, memory=parse_bytes(args.memory) if args.memory else None,
         num_blocks=args.num_blocks, block_size=args.block_size, prefill_chunk=args.prefill_chunk,
