@@ -79,3 +79,21 @@ def test_state_pool_with_varlen_prompts():
                          output_final_state=True, cu_seqlens=cu)
     assert rel_err(pool[[3, 1]], S_ref) < 1e-5
     assert torch.equal(pool[[0, 2]], before[[0, 2]])
+
+
+@pytest.mark.parametrize("shape", [dict(B=1, H=4), dict(B=5, H=2, HV=4)], ids=["batch1", "batch5-gva"])
+def test_single_token_fast_path_matches_reference(shape):
+    """T = 1 takes the decode fast path (no layout, fused baddbmm); it must equal the float64 recurrence."""
+    x = make_inputs(T=1, raw=True, seed=21, **shape)
+    HV = x["v"].shape[2]
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV * 32)
+    o, S = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                               output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    d = {n: x[n].double() for n in ("q", "k", "v", "g", "beta")}
+    q = d["q"] / torch.sqrt(d["q"].pow(2).sum(-1, keepdim=True) + 1e-6)
+    k = d["k"] / torch.sqrt(d["k"].pow(2).sum(-1, keepdim=True) + 1e-6)
+    g = -A_log.double().exp()[:, None] * torch.nn.functional.softplus(d["g"] + dt_bias.double().view(HV, 32))
+    o_ref, S_ref = naive_recurrent_kda(q, k, d["v"], g, torch.sigmoid(d["beta"]), initial_state=x["initial_state"],
+                                       output_final_state=True)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5

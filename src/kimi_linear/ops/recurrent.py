@@ -23,6 +23,26 @@ def recurrent_step(
     return o, S
 
 
+def single_token_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    S: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step with the fewest kernel calls: q, k [N, H, K] (heads already expanded), v [N, H, V],
+    g [N, H, K] float32 log decay, beta [N, H] float32, S [N, H, K, V] float32 (not modified).
+    Returns (o [N, H, V] float32, S_new).
+
+    On CPU a decode step is bound by per-call overhead, not arithmetic, so the delta-rule update is two fused
+    ``baddbmm`` calls on [N*H]-batched matrices."""
+    N, H, K = k.shape
+    V = v.shape[-1]
+    S = (S * g.exp().unsqueeze(-1)).view(N * H, K, V)                                    # forget
+    k3 = k.float().reshape(N * H, 1, K)
+    err = torch.baddbmm(v.float().reshape(N * H, 1, V), k3, S, alpha=-1)                 # v - S^T k
+    S = torch.baddbmm(S, (k3 * beta.reshape(N * H, 1, 1)).transpose(1, 2), err)          # + beta k err^T
+    o = torch.bmm(q.float().reshape(N * H, 1, K), S).view(N, H, V) * scale
+    return o, S.view(N, H, K, V)
+
+
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,6 +79,13 @@ def fused_recurrent_kda(
                     cu_seqlens=cu_seqlens, state_indices=state_indices, **opts.kwargs())
     out_dtype = q.dtype
     q, k, g, beta = opts.apply(q, k, g, beta)
+    if s.T == 1 and cu_seqlens is None and q.dtype != torch.float64:
+        # One token per sequence (decode): no layout work, no loop.
+        S0 = initial_state[state_indices] if state_indices is not None else initial_state
+        S0 = q.new_zeros(s.N, s.HV, s.K, s.V, dtype=torch.float32) if S0 is None else S0
+        q, k = expand_heads(q, s.HV), expand_heads(k, s.HV)
+        o, S = single_token_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0].float(), beta[:, 0].float(), scale, S0)
+        return _finish(o.unsqueeze(1).to(out_dtype), S, initial_state, state_indices, output_final_state)
     dtype = compute_dtype(q)
     layout = SequenceLayout(s.B, s.T, cu_seqlens, 1, q.device)
     rows = lambda x: layout.to_rows(x.to(dtype))                          # [N, L, ...]
@@ -77,8 +104,11 @@ def fused_recurrent_kda(
         o_t, S = recurrent_step(S, qr[:, t], kr[:, t], vr[:, t], gr[:, t], br[:, t])
         outs.append(o_t)
     o = torch.stack(outs, dim=1) if outs else vr.new_zeros(s.N, 0, s.HV, s.V)
-    o = layout.from_rows(o).to(out_dtype)
+    return _finish(layout.from_rows(o).to(out_dtype), S, initial_state, state_indices, output_final_state)
 
+
+def _finish(o, S, initial_state, state_indices, output_final_state):
+    """Write final states back into the pool rows (in place) or return them."""
     if state_indices is not None:
         initial_state[state_indices] = S.to(initial_state.dtype)
         return o, (initial_state if output_final_state else None)
