@@ -78,10 +78,12 @@ class KimiDeltaAttention(nn.Module):
             recurrent=torch.zeros(batch_size, H, d, d, dtype=torch.float32, device=device),
         )
 
-    def _conv(self, x: torch.Tensor, state: KDAState | None) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, state: KDAState | None, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over q|k|v. x: [B, T, 3*H*d] -> same shape; updates ``state.conv``.
 
         Computed time-major as W shifted multiply-adds: no transposes, and faster on CPU than a grouped conv1d.
+        pos: [T] position of each token inside its packed document; a tap that would reach back past the
+        document's start is dropped, so the window never crosses a boundary.
         """
         B, T, C = x.shape
         W = self.conv_size
@@ -90,6 +92,13 @@ class KimiDeltaAttention(nn.Module):
         full = torch.cat([past.to(x.dtype), x], dim=1)                                         # [B, W-1+T, C]
         if state is not None:
             state.conv = full[:, full.shape[1] - (W - 1) :].clone()
+        if pos is not None:
+            # tap j reads the input W-1-j steps back: valid only when that many earlier tokens share the document
+            taps = [full[:, j : j + T] * (pos >= W - 1 - j)[:, None].to(x.dtype) for j in range(W - 1)]
+            y = full[:, W - 1 :] * w[W - 1]
+            for j, tap in enumerate(taps):
+                y = y + tap * w[j]
+            return F.silu(y)
         y = full[:, 0:T] * w[0]
         for j in range(1, W):
             y.addcmul_(full[:, j : j + T], w[j])
@@ -108,10 +117,16 @@ class KimiDeltaAttention(nn.Module):
         return self._conv_cache[1]
 
     def forward(
-        self, x: torch.Tensor, state: KDAState | None = None, padding_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        state: KDAState | None = None,
+        padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D].
 
+        cu_seqlens: [N+1] offsets of documents packed into one row (B == 1, no state): neither the conv window nor
+            the recurrent memory crosses a document boundary.
         state: updated in place when given (conv window and recurrent memory); ``None`` runs a stand-alone prefill.
         padding_mask: [B, T] bool/int, 0 at padding. Padding inputs are zeroed, so with k = v = 0 they neither
             write into the memory nor into the conv window of later tokens: a left-padded row computes exactly what
@@ -126,7 +141,11 @@ class KimiDeltaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, g_a, beta_raw = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
-        q, k, v = self._conv(qkv, state).view(B, T, 3, H, d).unbind(2)
+        pos = None
+        if cu_seqlens is not None:
+            starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
+            pos = torch.arange(T, device=x.device) - starts.to(x.device)
+        q, k, v = self._conv(qkv, state, pos).view(B, T, 3, H, d).unbind(2)
         g_raw = self.f_b_proj(f_a).view(B, T, H, d)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         o, final = kda(
@@ -139,6 +158,7 @@ class KimiDeltaAttention(nn.Module):
             use_beta_sigmoid_in_kernel=True,
             A_log=self.A_log,
             dt_bias=self.dt_bias,
+            cu_seqlens=cu_seqlens,
         )
         if state is not None:
             state.recurrent = final

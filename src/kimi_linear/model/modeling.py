@@ -72,10 +72,11 @@ class KimiLinearDecoderLayer(nn.Module):
         cache: KDAState | LatentCache | None,
         padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.is_kda:
-            h = self.self_attn(h, cache, padding_mask)
+            h = self.self_attn(h, cache, padding_mask, cu_seqlens)
         else:
             h = self.self_attn(h, cache, attn_mask)
         x = x + h
@@ -222,12 +223,18 @@ class KimiLinearForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: HybridCache | None = None,
         logits_to_keep: int = 0,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids: [B, T]; attention_mask: [B, T] or [B, past+T], 1 = token, 0 = (left) padding;
         cache: continued and updated in place when given. Returns logits [B, T, vocab] in float32 if the model is
-        float32, else in the model dtype (only the last ``logits_to_keep`` positions when > 0)."""
+        float32, else in the model dtype (only the last ``logits_to_keep`` positions when > 0).
+
+        cu_seqlens: [N+1] offsets of documents packed into one row (``B == 1``, no cache, no attention_mask), as in
+        training on packed text: no KDA memory, conv window or attention crosses a document boundary."""
         input_ids = self._check_input_ids(input_ids)
         B, T = input_ids.shape
+        if cu_seqlens is not None:
+            return self._forward_packed(input_ids, cu_seqlens, cache, attention_mask, logits_to_keep)
         past = cache.seq_len if cache is not None else 0
         limit = self.config.max_position_embeddings
         if past + T > limit:
@@ -257,6 +264,31 @@ class KimiLinearForCausalLM(nn.Module):
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(x))
         return CausalLMOutput(logits=logits, cache=cache)
+
+    def _forward_packed(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: HybridCache | None,
+        attention_mask: torch.Tensor | None, logits_to_keep: int,
+    ) -> CausalLMOutput:
+        """Packed documents: KDA runs varlen (``cu_seqlens``), MLA attends causally inside each document only."""
+        from kimi_linear.ops.checks import check_cu_seqlens
+
+        if cache is not None or attention_mask is not None:
+            raise ValueError("`cu_seqlens` (packed documents) cannot be combined with `cache` or `attention_mask`")
+        B, T = input_ids.shape
+        check_cu_seqlens(cu_seqlens, B, T)
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"packed row of {T} tokens exceeds the configured context "
+                             f"`max_position_embeddings`/`model_max_length` = {self.config.max_position_embeddings}")
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu.diff())
+        pos = torch.arange(T, device=cu.device)
+        attn_mask = ((pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None]))[None, None]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, None, None, attn_mask, cu)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        return CausalLMOutput(logits=self.lm_head(self.model.norm(x)), cache=None)
 
     # ------------------------------------------------------------------------------------ files and generation
     @classmethod
