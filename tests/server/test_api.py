@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import openai
@@ -134,3 +135,39 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(server):
     assert r.status_code == 404 and "error" in r.json()
     ok = c.completions.create(model="tiny", prompt="still alive?", max_tokens=3, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_stop_string_and_seeded_sampling(server):
+    c = client(server)
+    kw = dict(model="tiny", prompt="stop here", temperature=0, extra_body={"ignore_eos": True})
+    full = c.completions.create(max_tokens=24, **kw).choices[0].text
+    cut = next(i for i in range(4, len(full) - 2) if "\ufffd" not in full[i : i + 2])
+    stop = full[cut : cut + 2]
+    for stream in (False, True):
+        if stream:
+            parts = list(c.completions.create(max_tokens=24, stop=[stop], stream=True, **kw))
+            text = "".join(p.choices[0].text for p in parts)
+            reason = parts[-1].choices[0].finish_reason
+        else:
+            r = c.completions.create(max_tokens=24, stop=[stop], **kw).choices[0]
+            text, reason = r.text, r.finish_reason
+        assert text == full[: full.index(stop)] and reason == "stop", (stream, text, full, stop)
+    sampled = [c.completions.create(model="tiny", prompt="dice", max_tokens=12, temperature=0.9, top_p=0.95,
+                                    seed=1234, extra_body={"top_k": 100, "ignore_eos": True}).choices[0].text
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_non_streaming_client_gone_aborts(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.5,
+                   json={"model": "tiny", "prompt": "b" * 50, "max_tokens": 3000, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["requests_aborted_total"] > before["requests_aborted_total"] and m["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["requests_aborted_total"] == before["requests_aborted_total"] + 1
+    assert m["running"] == 0 and m["mla_blocks_used"] == 0 and m["kda_slots_used"] == 0

@@ -83,3 +83,4 @@ def test_disconnect_mid_stream_frees_slot_and_blocks(small_server):
     assert m["generation_tokens_total"] - before["generation_tokens_total"] < 300
     r = c.completions.create(model="tiny", prompt="next", max_tokens=2, temperature=0)
     assert r.choices[0].text is not None
+

@@ -3,6 +3,7 @@ Prometheus metrics, optional API key."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -34,6 +35,26 @@ class ServerState:
         return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
 
 
+class APIKeyMiddleware:
+    """``Authorization: Bearer KEY`` on every route but /health. Plain ASGI (not BaseHTTPMiddleware), so the
+    routes still see the client's disconnect message."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            headers = dict(scope.get("headers") or [])
+            got = headers.get(b"authorization", b"")
+            token = got[7:] if got.lower().startswith(b"bearer ") else b""
+            if not hmac.compare_digest(token, self.key):
+                err = APIError(401, "Incorrect API key provided (send it as `Authorization: Bearer KEY`)",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="kimi-linear", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kl = state
@@ -47,16 +68,8 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         err = APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=e.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path != "/health":
-            got = request.headers.get("authorization", "")
-            token = got[7:] if got.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                err = APIError(401, "Incorrect API key provided (send it as `Authorization: Bearer KEY`)",
-                               code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -83,7 +96,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             raise APIError(400, "`echo` is not supported", "echo")
         if ids is None:
             ids = state.tokenizer.encode(text, add_special_tokens=False)
-        return await _serve(state, req, ids, chat=False)
+        return await _serve(state, req, ids, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -97,7 +110,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         else:
             prompt = fallback_chat_prompt(msgs)
         ids = tok.encode(prompt, add_special_tokens=False)
-        return await _serve(state, req, ids, chat=True)
+        return await _serve(state, req, ids, chat=True, request=request)
 
     return app
 
@@ -145,7 +158,7 @@ def _logprobs(state: ServerState, outs: list[RequestOutput], chat: bool) -> dict
             "top_logprobs": [{state.tok_str(a): b for a, b in alts} for _, _, alts in items], "text_offset": offsets}
 
 
-async def _serve(state: ServerState, req: ParsedRequest, ids: list[int], chat: bool) -> Response:
+async def _serve(state: ServerState, req: ParsedRequest, ids: list[int], chat: bool, request: Request) -> Response:
     params = req.params
     engine = state.loop.engine
     if params.max_tokens < 0:
@@ -162,7 +175,9 @@ async def _serve(state: ServerState, req: ParsedRequest, ids: list[int], chat: b
     if req.stream:
         return StreamingResponse(_sse(state, req, gen, rid, created, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    outs = [o async for o in gen]
+    outs = await _collect(gen, request)
+    if outs is None:                      # the client went away: the request was aborted, nobody reads this
+        return Response(status_code=499)
     last = outs[-1]
     if last.finish_reason == "error":
         raise APIError(500, f"the engine failed on this request: {last.error or 'internal error'}",
@@ -179,6 +194,28 @@ async def _serve(state: ServerState, req: ParsedRequest, ids: list[int], chat: b
         choice["prompt_token_ids"] = ids
     return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
                          "choices": [choice], "usage": _usage(last)})
+
+
+async def _collect(gen: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput] | None:
+    """All outputs of a non-streaming request, or None if the client disconnected first (then the engine
+    request is aborted, freeing its slot and blocks, instead of running to max_tokens for nobody)."""
+
+    async def run() -> list[RequestOutput]:
+        return [o async for o in gen]
+
+    task = asyncio.ensure_future(run())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            await gen.aclose()            # runs its `finally`: abort in the engine
+            return None
 
 
 async def _sse(state: ServerState, req: ParsedRequest, gen: AsyncIterator[RequestOutput], rid: str, created: int,
