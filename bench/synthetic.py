@@ -16,18 +16,16 @@ import time
 
 import torch
 
-from kimi_linear.model import KimiLinearForCausalLM
 from kimi_linear.train import TaskSource, TrainConfig, Trainer, get_task
-from kimi_linear.train.models import MIXERS, task_model_config
+from kimi_linear.train.models import MIXERS, build_task_model
 
 TASK_SIZES = {"mqar": {}, "palindrome": {}, "stack": {}}
 
 
 def run_one(task_name: str, mixer: str, seq_len: int, a: argparse.Namespace, device: str) -> dict:
     task = get_task(task_name, **TASK_SIZES[task_name])
-    cfg = task_model_config(mixer, task.vocab_size, hidden_size=a.hidden, num_heads=a.heads, head_dim=a.head_dim,
-                            max_len=max(seq_len, 8192))
-    model = KimiLinearForCausalLM(cfg).init_weights(seed=a.seed).to(device)
+    model = build_task_model(mixer, task.vocab_size, hidden_size=a.hidden, num_heads=a.heads, head_dim=a.head_dim,
+                             max_len=max(seq_len, 8192), seed=a.seed).to(device)
     source = TaskSource(task, batch_size=a.batch, seq_len=seq_len, seed=a.seed, eval_batches=a.eval_batches)
     config = TrainConfig(steps=a.steps, lr=a.lr, warmup=max(1, a.steps // 20), eval_every=a.eval_every,
                          progress=False, weight_decay=0.01)

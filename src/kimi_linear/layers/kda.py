@@ -104,6 +104,13 @@ class KimiDeltaAttention(nn.Module):
             y.addcmul_(full[:, j : j + T], w[j])
         return F.silu(y)
 
+    def forget_gate(self, f_a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The raw per-channel gate ``f_b(f_a(x))`` [B, T, H, d] and the operator options that turn it into
+        ``-exp(A_log) * softplus(g + dt_bias)`` inside the kernel."""
+        B, T, _ = f_a.shape
+        g_raw = self.f_b_proj(f_a).view(B, T, self.num_heads, self.head_dim)
+        return g_raw, dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+
     def _conv_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """q|k|v conv taps as one [W, 3*H*d] tensor. Cached between calls (it is rebuilt whenever a conv weight
         changes: storage or in-place version), because decoding pays per op; under autograd it is always rebuilt."""
@@ -146,18 +153,16 @@ class KimiDeltaAttention(nn.Module):
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
         q, k, v = self._conv(qkv, state, pos).view(B, T, 3, H, d).unbind(2)
-        g_raw = self.f_b_proj(f_a).view(B, T, H, d)
+        g, gate_args = self.forget_gate(f_a)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         o, final = kda(
-            q, k, v, g_raw, beta_raw,
+            q, k, v, g, beta_raw,
             scale=d**-0.5,
             initial_state=state.recurrent if state is not None else None,
             output_final_state=state is not None,
             use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
+            **gate_args,
             cu_seqlens=cu_seqlens,
         )
         if state is not None:

@@ -24,8 +24,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data (one of --task / --corpus)")
     data.add_argument("--task", choices=sorted(TASKS), help="a synthetic task of the Kimi Linear report")
-    data.add_argument("--mixer", default="kda", choices=("kda", "attention"),
-                      help="token mixer for --task models (2 layers, 2 heads of 128 by default)")
+    data.add_argument("--mixer", default="kda", choices=("kda", "gdn", "attention"),
+                      help="token mixer for --task models (2 layers, 2 heads of 128); gdn = Gated DeltaNet")
     data.add_argument("--corpus", choices=("stdlib",), help="text: this Python's standard library sources")
     data.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary for --corpus")
     model = p.add_argument_group("model")
@@ -89,7 +89,7 @@ def run_train(args: argparse.Namespace) -> int:
     from kimi_linear.model import KimiLinearForCausalLM, load_config, preset_config
 
     from .data import TaskSource
-    from .models import task_model_config
+    from .models import build_task_model
     from .tasks import get_task
     from .trainer import TrainConfig, Trainer, resume
 
@@ -101,12 +101,16 @@ def run_train(args: argparse.Namespace) -> int:
                          weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_accum=args.grad_accum,
                          eval_every=args.eval_every, save_every=args.save_every, out_dir=args.out,
                          bf16=not args.no_bf16)
-    tokenizer = None
+    tokenizer, model = None, None
     if args.task:
         task = get_task(args.task)
         source = TaskSource(task, args.batch_size, args.seq_len, seed=args.seed)
-        model_config = task_model_config(args.mixer, task.vocab_size, hidden_size=args.hidden,
-                                         max_len=max(8192, args.seq_len))
+        if args.mixer == "gdn" and args.resume:
+            print("error: Gated DeltaNet runs are not in the Kimi Linear checkpoint format; they cannot --resume",
+                  file=sys.stderr)
+            return 2
+        model = build_task_model(args.mixer, task.vocab_size, hidden_size=args.hidden,
+                                 max_len=max(8192, args.seq_len), seed=args.seed)
     else:
         source, tokenizer = _text_source(args, args.resume)
         if args.config:
@@ -123,8 +127,9 @@ def run_train(args: argparse.Namespace) -> int:
         trainer = resume(args.resume, source, config, device=device)
     else:
         torch.manual_seed(args.seed)
-        model = KimiLinearForCausalLM(model_config).init_weights(args.seed).to(device)
-        trainer = Trainer(model, source, config)
+        if model is None:
+            model = KimiLinearForCausalLM(model_config).init_weights(args.seed)
+        trainer = Trainer(model.to(device), source, config)
     trainer.tokenizer = tokenizer
     n_params = sum(p.numel() for p in trainer.model.parameters())
     print(f"training {n_params / 1e6:.2f}M parameters on {device}, step {trainer.step} -> {args.steps}",
