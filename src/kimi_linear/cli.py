@@ -4,6 +4,8 @@
     kimi-linear info ./tiny --context 1048576        # parameters, layer layout, cache bytes per sequence
     kimi-linear info kimi-linear-48b                 # the same for a preset's shape, no files needed
     kimi-linear generate ./tiny --prompt "Hello"     # stream tokens (greedy; --temperature > 0 samples)
+    kimi-linear train --task mqar --out runs/mqar    # train (synthetic tasks or the offline stdlib corpus)
+    kimi-linear serve --model ./tiny                 # OpenAI-compatible server on 127.0.0.1
     echo "Hello" | kimi-linear generate ./Kimi-Linear-48B-A3B-Instruct --max-new-tokens 64
 """
 
@@ -131,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kimi-linear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{init,info,generate}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{init,info,generate,train,serve}")
 
     g = sub.add_parser("generate", help="generate text from a checkpoint directory, streaming tokens",
                        description="Generate a continuation of a prompt (--prompt, or stdin). Greedy by default; "
@@ -169,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--context", type=int, default=None, help="override the preset's context length")
     n.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
     n.set_defaults(fn=cmd_init)
+
+    from kimi_linear.server.cli import add_serve_parser, run_serve
+    from kimi_linear.train.cli import add_train_parser, run_train
+
+    add_train_parser(sub).set_defaults(fn=run_train)
+    add_serve_parser(sub).set_defaults(fn=run_serve)
     return p
 
 

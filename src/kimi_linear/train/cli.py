@@ -28,6 +28,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                       help="token mixer for --task models (2 layers, 2 heads of 128); gdn = Gated DeltaNet")
     data.add_argument("--corpus", choices=("stdlib",), help="text: this Python's standard library sources")
     data.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary for --corpus")
+    data.add_argument("--max-files", type=int, default=0,
+                      help="use only the first N stdlib files of each split (quick trials; 0 = all)")
     model = p.add_argument_group("model")
     model.add_argument("--preset", default="tiny", help="model preset for --corpus (see `kimi-linear info`)")
     model.add_argument("--config", help="a config.json to train instead of a preset")
@@ -62,12 +64,14 @@ def _text_source(args, tokenizer_dir: str | None):
     from .corpus import PackedTextSource, encode_documents, read_texts, split_files, stdlib_files, train_bpe_tokenizer
 
     train_files, eval_files = split_files(stdlib_files())
+    if args.max_files:
+        train_files, eval_files = train_files[: args.max_files], eval_files[: args.max_files]
     if tokenizer_dir:
         tokenizer = load_tokenizer(tokenizer_dir)
     else:
         print(f"training a {args.vocab_size}-token BPE on {len(train_files)} stdlib files ...", file=sys.stderr)
         tokenizer = train_bpe_tokenizer(read_texts(train_files), args.vocab_size)
-    cache = os.path.join(args.out, f"tokens-{len(tokenizer)}.pt")
+    cache = os.path.join(args.out, f"tokens-{len(tokenizer)}-{args.max_files or 'all'}.pt")
     if os.path.isfile(cache):
         train_docs, eval_docs = torch.load(cache)
     else:
