@@ -251,6 +251,31 @@ def sweep_scan() -> None:
             say(f"  sweep chunk fwd {B}x{T} BV={bv} warps={nw} stages={ns}: {ms:.3f} ms")
 
 
+def profile_chunk() -> None:
+    """Chunk forward variants, each checked against the PyTorch path at 16x2048 and timed at both shapes: the
+    whole forward, the intra-chunk kernel alone and the scan kernel alone (the latter on stale buffers)."""
+    o_ = None
+    refs = {}
+    for B, T in ((16, 2048), (1, 32768)):
+        x = make(B, T, seed=7)
+        o_ = kops.gate.KernelOptions(**opts(x, False))
+        if B == 16:
+            with torch_backend():
+                refs[B] = kops.chunk_kda(*args5({n: x[n].float() for n in ("q", "k", "v", "g", "beta")}),
+                                         **opts(x, False))[0]
+        for iw, ds in ((8, 0), (4, 16), (8, 16), (4, 32)):
+            run = lambda st="both", iw=iw, ds=ds: chunk_kda_fwd(*args5(x), D ** -0.5, None, True, o_, None,
+                                                               intra_warps=iw, diag_slice=ds, stages=st)
+            err = rel(run()[0], refs[B]) if B in refs else float("nan")
+            t_all, t_intra = median_ms(run, 30), median_ms(lambda: run("intra"), 30)
+            say(f"  profile {B}x{T} intra warps={iw} diag_slice={ds}: rel err {err:.2e}; fwd {t_all:.3f} ms, "
+                f"intra {t_intra:.3f} ms")
+        for bv, nw in ((16, 4), (32, 4), (64, 4), (32, 8)):
+            t = median_ms(lambda bv=bv, nw=nw: chunk_kda_fwd(*args5(x), D ** -0.5, None, True, o_, None, block_v=bv,
+                                                             num_warps=nw, stages="scan"), 30)
+            say(f"  profile {B}x{T} scan BV={bv} warps={nw}: {t:.3f} ms")
+
+
 # -------------------------------------------------------------------------------------------------------------- check
 class Poison:
     """torch.empty returns NaN-filled floating memory inside the block: unwritten outputs show up."""
@@ -385,6 +410,7 @@ def main() -> int:
     p.add_argument("--bench", action="store_true", help="with --check: time as well")
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
     p.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
+    p.add_argument("--profile", action="store_true", help="only the chunk-forward variants (checked, timed)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -396,6 +422,9 @@ def main() -> int:
     fla_chunk, fla_rec = fla_ops()
     ok = True
     try:
+        if a.profile:
+            profile_chunk()
+            return 0
         if a.check:
             ok = check(fla_chunk)
             say(f"CHECK {'PASS' if ok else 'FAIL'}")

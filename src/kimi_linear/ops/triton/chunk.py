@@ -37,9 +37,14 @@ def chunk_kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
     cu_seqlens: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, intra_warps: int = 4, diag_slice: int = 0, stages: str = "both",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None)."""
+    """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None).
+
+    Launch-shape knobs for benchmarks: ``block_v``, ``num_warps``, ``num_stages`` (scan kernel), ``intra_warps``
+    and ``diag_slice`` (intra kernel: 0 = diagonal blocks column by column, 16/32 = all pairs at once over slices
+    of that many key channels); ``stages`` = "intra" or "scan" runs one kernel alone (timing only).
+    """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -71,7 +76,7 @@ def chunk_kda_fwd(
     dummy = o
     A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
     dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
-    if NT > 0:
+    if NT > 0 and stages != "scan":
         chunk_kda_fwd_intra_kernel[(NT, HV)](
             q, k, v, g, beta,
             A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
@@ -83,8 +88,10 @@ def chunk_kda_fwd(
             IS_VARLEN=cu_seqlens is not None, USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel,
             USE_GATE=opts.use_gate_in_kernel, USE_LOWER_BOUND=opts.lower_bound is not None,
             HAS_DT_BIAS=dt_bias is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-            NEG_EIGVAL=opts.allow_neg_eigval, PREC=prec, num_warps=4,
+            NEG_EIGVAL=opts.allow_neg_eigval, PREC=prec, DIAG_BKS=diag_slice, num_warps=intra_warps,
         )
+    if stages == "intra":
+        return o, ht
     BV = block_v or (32 if N * HV >= 512 else 16)
     BV = min(BV, triton.next_power_of_2(V))
     chunk_kda_fwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](

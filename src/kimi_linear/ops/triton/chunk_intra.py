@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .transforms import beta_transform, kda_gate, l2_normalize
+from .transforms import beta_transform, kda_gate
 
 
 @triton.jit
@@ -32,7 +32,8 @@ def load_sub_block(
     USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
 ):
     """Rows ``t0 .. t0 + BC`` of one sequence, transformed: q, k [BC, BK]; beta [BC]; the gate's inclusive
-    prefix P and exclusive suffix X inside the sub-block [BC, BK]; its total [BK]. Rows past T_n are zero."""
+    prefix P and exclusive suffix X inside the sub-block [BC, BK]; its total [BK]; the inverse row norms of q and k
+    [BC] (ones without l2norm). Rows past T_n are zero."""
     o_r = tl.arange(0, BC)
     o_i = t0 + o_r                                                   # rows within the sequence
     o_k = tl.arange(0, BK)
@@ -51,14 +52,18 @@ def load_sub_block(
         b_gx = kda_gate(b_gx, b_bias[None, :], b_a, lower_bound, USE_LOWER_BOUND)
     b_g = tl.where(m, b_g, 0.0)
     b_gx = tl.where(m_x, b_gx, 0.0)
+    b_rq = tl.full([BC], 1.0, dtype=tl.float32)                      # [BC] inverse row norms (l2norm)
+    b_rk = tl.full([BC], 1.0, dtype=tl.float32)
     if USE_QK_L2NORM:
-        b_q = l2_normalize(b_q, 1)
-        b_k = l2_normalize(b_k, 1)
+        b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
+        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
+        b_q = b_q * b_rq[:, None]
+        b_k = b_k * b_rk[:, None]
     b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)  # [BC]
     b_beta = tl.where(m_i, beta_transform(b_beta, USE_BETA_SIGMOID, NEG_EIGVAL), 0.0)
     b_P = tl.cumsum(b_g, 0)                                          # [BC, BK]
     b_X = tl.cumsum(b_gx, 0, reverse=True)                           # [BC, BK]
-    return b_q, b_k, b_beta, b_P, b_X, tl.sum(b_g, 0)
+    return b_q, b_k, b_beta, b_P, b_X, tl.sum(b_g, 0), b_rq, b_rk
 
 
 @triton.jit
@@ -81,6 +86,42 @@ def diagonal_scores(b_q, b_k, b_P, BC: tl.constexpr):
         b_Aqk += tl.where(m_col & m_low, b_sq[:, None], 0.0)
         b_Akk += tl.where(m_col & (o_i > j)[:, None], b_sk[:, None], 0.0)
     return b_Aqk, b_Akk
+
+
+@triton.jit
+def diagonal_scores_sliced(
+    q, k, g, dt_bias, b_a, lower_bound, b_rq, b_rk, bos, T_n, t0, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+):
+    """:func:`diagonal_scores` without the column loop: all (i, j) pairs at once as a [BC, BC, BKS] block, over
+    slices of BKS key channels reloaded from memory (the gate's prefix sums are per channel, so a slice needs only
+    its own channels; l2norm comes in as the row factors b_rq, b_rk)."""
+    o_r = tl.arange(0, BC)
+    o_i = t0 + o_r
+    m_i = o_i < T_n
+    m_low = (o_r[:, None] >= o_r[None, :])[:, :, None]               # [BC, BC, 1]
+    b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        m_k = o_k < K
+        m = m_i[:, None] & m_k[None, :]
+        o_qk = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + o_qk, mask=m, other=0.0).to(tl.float32) * b_rq[:, None]     # [BC, BKS]
+        b_k = tl.load(k + o_qk, mask=m, other=0.0).to(tl.float32) * b_rk[:, None]     # [BC, BKS]
+        b_g = tl.load(g + ((bos + o_i) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        if USE_GATE:
+            b_bias = tl.zeros([BKS], dtype=tl.float32)
+            if HAS_DT_BIAS:
+                b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_g = kda_gate(b_g, b_bias[None, :], b_a, lower_bound, USE_LOWER_BOUND)
+        b_P = tl.cumsum(tl.where(m, b_g, 0.0), 0)                    # [BC, BKS]
+        b_d = b_P[:, None, :] - b_P[None, :, :]                       # [BC, BC, BKS] P_i - P_j
+        b_kf = tl.where(m_low, tl.exp(tl.where(m_low, b_d, 0.0)), 0.0) * b_k[None, :, :]
+        b_Aqk += tl.sum(b_q[:, None, :] * b_kf, 2)
+        b_Akk += tl.sum(b_k[:, None, :] * b_kf, 2)
+    return b_Aqk, tl.where(o_r[:, None] > o_r[None, :], b_Akk, 0.0)
 
 
 @triton.jit
@@ -141,7 +182,7 @@ def chunk_kda_fwd_intra_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, DIAG_BKS: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -165,16 +206,16 @@ def chunk_kda_fwd_intra_kernel(
         if HAS_DT_BIAS:
             b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
 
-    b_q0, b_k0, b_b0, b_P0, b_X0, b_s0 = load_sub_block(
+    b_q0, b_k0, b_b0, b_P0, b_X0, b_s0, b_rq0, b_rk0 = load_sub_block(
         q, k, g, beta, b_a, b_bias, lower_bound, bos, T_n, t0, i_h, i_hv, H, HV, K, BK, BC,
         USE_QK_L2NORM, USE_GATE, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_q1, b_k1, b_b1, b_P1, b_X1, b_s1 = load_sub_block(
+    b_q1, b_k1, b_b1, b_P1, b_X1, b_s1, b_rq1, b_rk1 = load_sub_block(
         q, k, g, beta, b_a, b_bias, lower_bound, bos, T_n, t0 + BC, i_h, i_hv, H, HV, K, BK, BC,
         USE_QK_L2NORM, USE_GATE, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_q2, b_k2, b_b2, b_P2, b_X2, b_s2 = load_sub_block(
+    b_q2, b_k2, b_b2, b_P2, b_X2, b_s2, b_rq2, b_rk2 = load_sub_block(
         q, k, g, beta, b_a, b_bias, lower_bound, bos, T_n, t0 + 2 * BC, i_h, i_hv, H, HV, K, BK, BC,
         USE_QK_L2NORM, USE_GATE, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_q3, b_k3, b_b3, b_P3, b_X3, b_s3 = load_sub_block(
+    b_q3, b_k3, b_b3, b_P3, b_X3, b_s3, b_rq3, b_rk3 = load_sub_block(
         q, k, g, beta, b_a, b_bias, lower_bound, bos, T_n, t0 + 3 * BC, i_h, i_hv, H, HV, K, BK, BC,
         USE_QK_L2NORM, USE_GATE, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)
 
@@ -185,10 +226,24 @@ def chunk_kda_fwd_intra_kernel(
     tl.store(decay + (i_c * HV + i_hv) * K + o_k, tl.exp(b_s012 + b_s3), mask=m_k)
 
     # Diagonal blocks.
-    b_Aqk00, b_Akk00 = diagonal_scores(b_q0, b_k0, b_P0, BC)
-    b_Aqk11, b_Akk11 = diagonal_scores(b_q1, b_k1, b_P1, BC)
-    b_Aqk22, b_Akk22 = diagonal_scores(b_q2, b_k2, b_P2, BC)
-    b_Aqk33, b_Akk33 = diagonal_scores(b_q3, b_k3, b_P3, BC)
+    if DIAG_BKS > 0:
+        b_Aqk00, b_Akk00 = diagonal_scores_sliced(
+            q, k, g, dt_bias, b_a, lower_bound, b_rq0, b_rk0, bos, T_n, t0, i_h, i_hv, H, HV, K, BC, DIAG_BKS,
+            USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+        b_Aqk11, b_Akk11 = diagonal_scores_sliced(
+            q, k, g, dt_bias, b_a, lower_bound, b_rq1, b_rk1, bos, T_n, t0 + BC, i_h, i_hv, H, HV, K, BC, DIAG_BKS,
+            USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+        b_Aqk22, b_Akk22 = diagonal_scores_sliced(
+            q, k, g, dt_bias, b_a, lower_bound, b_rq2, b_rk2, bos, T_n, t0 + 2 * BC, i_h, i_hv, H, HV, K, BC,
+            DIAG_BKS, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+        b_Aqk33, b_Akk33 = diagonal_scores_sliced(
+            q, k, g, dt_bias, b_a, lower_bound, b_rq3, b_rk3, bos, T_n, t0 + 3 * BC, i_h, i_hv, H, HV, K, BC,
+            DIAG_BKS, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+    else:
+        b_Aqk00, b_Akk00 = diagonal_scores(b_q0, b_k0, b_P0, BC)
+        b_Aqk11, b_Akk11 = diagonal_scores(b_q1, b_k1, b_P1, BC)
+        b_Aqk22, b_Akk22 = diagonal_scores(b_q2, b_k2, b_P2, BC)
+        b_Aqk33, b_Akk33 = diagonal_scores(b_q3, b_k3, b_P3, BC)
 
     # Off-diagonal blocks through the sub-block boundaries.
     zero = tl.zeros([BK], dtype=tl.float32)
