@@ -166,7 +166,13 @@ class Trainer:
             (loss / c.grad_accum).backward()
             loss_sum += loss.item()
             tokens += batch["input_ids"].numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip).item()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Report the global mean loss (ranks hold equal shares of the batch), not this rank's.
+            total = torch.tensor(loss_sum, dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(total)
+            loss_sum = total.item() / torch.distributed.get_world_size()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -1,0 +1,119 @@
+"""Training on several processes with PyTorch's own stack: ``torchrun`` + FSDP2 (``fully_shard``).
+
+    torchrun --nproc-per-node 2 -m kimi_linear.cli train --task mqar --out runs/mqar   (see ``kimi-linear train``)
+
+- Each decoder layer is its own FSDP2 unit (parameters gathered just before the layer runs, freed after), then the
+  root module (embeddings, final norm, head).
+- Data parallel: every rank builds the same global batch (sources are deterministic in the step) and keeps rows
+  ``rank::world`` of it, so ``world`` ranks with batch B see exactly what one process with batch B sees.
+- Checkpoints: ``torch.distributed.checkpoint`` (DCP) writes each rank's shards with the global layout, so a run
+  saved on N ranks loads on M ranks; rank 0 also exports the full model in the SPEC section 4 format for
+  ``kimi-linear generate``, transformers and vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .trainer import BatchSource
+
+DCP_DIR = "dcp"
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group that ``torchrun`` describes (NCCL on GPUs, gloo on CPUs); (rank, world, device)."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def shard_model(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
+    """FSDP2: one unit per decoder layer, then the root. ``bf16``: compute in bfloat16, reduce in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FSDP2 shards each parameter's storage, so parameters must own contiguous memory: undo the CPU decode layout
+    # (weights stored transposed or as views of one packed matrix; the packed fast paths notice and step aside).
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous() or p.storage_offset() or p.untyped_storage().nbytes() != p.nbytes:
+                p.data = p.data.contiguous().clone()
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw = {"mesh": mesh, **({"mp_policy": mp} if mp is not None else {})}
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+class ShardedSource:
+    """Rows ``rank::world`` of every training batch of ``source`` (which must hold [B, T] rows with B divisible by
+    ``world``); evaluation batches are not split (every rank evaluates all, as FSDP needs every rank in every
+    forward)."""
+
+    def __init__(self, source: BatchSource, rank: int, world: int) -> None:
+        self.source, self.rank, self.world = source, rank, world
+
+    def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        full = self.source.batch(step, micro)
+        if "cu_seqlens" in full:
+            raise ValueError("packed (cu_seqlens) batches cannot be split by rows; give each rank its own source")
+        B = full["input_ids"].shape[0]
+        if B % self.world:
+            raise ValueError(f"batch size {B} is not divisible by the world size {self.world}")
+        return {k: v[self.rank :: self.world] for k, v in full.items()}
+
+    def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self.source.eval_batches()
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (on CPU), gathered on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded(trainer, path: str | os.PathLike) -> None:
+    """DCP checkpoint of model + optimizer (+ step) under ``path/dcp``; rank 0 exports the full model to ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from kimi_linear.model import KimiLinearForCausalLM
+
+    path = os.fspath(path)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, DCP_DIR))
+    full = full_model_state(trainer.model)
+    if dist.get_rank() == 0:
+        export = KimiLinearForCausalLM(trainer.model.config)
+        export.load_state_dict(full)
+        export.save_pretrained(path)
+        torch.save({"step": trainer.step, "history": trainer.history}, os.path.join(path, "dist_state.pt"))
+    dist.barrier()
+
+
+def load_sharded(trainer, path: str | os.PathLike) -> None:
+    """Load a :func:`save_sharded` checkpoint into ``trainer`` (any world size, sharded or not)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = os.fspath(path)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = torch.load(os.path.join(path, "dist_state.pt"), weights_only=False)
+    trainer.step, trainer.history = int(meta["step"]), list(meta["history"])
