@@ -108,7 +108,7 @@ def test_bad_tensors_and_masks():
 
 def test_published_config_loads_and_unsupported_options_are_refused():
     """A config.json in the published Kimi-Linear-48B form (linear_attn_config, auto_map, extra fields) loads with
-    the right layout; options that would change the math are refused by name."""
+    the right layout; options that would change the math (or bad Kimi K3 values) are refused by name."""
     from .helpers import published_48b_config
 
     c = config_from_dict(published_48b_config())
@@ -117,11 +117,11 @@ def test_published_config_loads_and_unsupported_options_are_refused():
     assert (c.num_local_experts, c.num_experts_per_tok, c.linear_head_dim, c.dtype) == (256, 8, 128, torch.bfloat16)
     for field, value, match in [("moe_router_activation_func", "softmax", "moe_router_activation_func"),
                                 ("mla_use_nope", False, "mla_use_nope"),
-                                ("mla_use_output_gate", True, "mla_use_output_gate")]:
+                                ("attn_res_block_size", 0, "attn_res_block_size")]:
         with pytest.raises(ValueError, match=match):
             config_from_dict({**published_48b_config(), field: value})
     raw = published_48b_config()
-    raw["linear_attn_config"]["gate_lower_bound"] = -5.0
+    raw["linear_attn_config"]["gate_lower_bound"] = 5.0  # K3 options are supported (issue 7); bad values are not
     with pytest.raises(ValueError, match="gate_lower_bound"):
         config_from_dict(raw)
 

@@ -4,6 +4,8 @@ Each is a small ``nn.Module`` whose parameter names are the checkpoint's; the KD
 :mod:`kimi_linear.ops`, so it runs the GPU kernels when they are available.
 """
 
+from .activation import SiTUGLU, make_glu, silu_glu
+from .attn_res import AttnResState, depth_mix
 from .kda import KDAState, KimiDeltaAttention
 from .mla import LatentCache, NoPEMLA
 from .mlp import SwiGLUMLP
@@ -11,6 +13,11 @@ from .moe import Expert, SigmoidTopKRouter, SparseMoE
 from .norm import GatedRMSNorm, RMSNorm
 
 __all__ = [
+    "AttnResState",
+    "SiTUGLU",
+    "depth_mix",
+    "make_glu",
+    "silu_glu",
     "Expert",
     "GatedRMSNorm",
     "KDAState",

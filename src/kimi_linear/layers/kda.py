@@ -39,10 +39,20 @@ class KimiDeltaAttention(nn.Module):
     """One KDA block: projections, short conv, gates, the KDA operator, gated norm, output projection.
 
     Parameter names are the checkpoint's (``self_attn.*`` in SPEC section 4).
+
+    Kimi K3 switches (SPEC section 6; both off = Kimi Linear exactly):
+    gate_lower_bound: e.g. -5. The forget gate becomes ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
+        (the operator's ``lower_bound`` formula), so one step decays the memory by at most ``exp(lower_bound)``.
+    full_rank_gate: one full-rank ``g_proj`` [H*d, D] replaces the low-rank output gate ``g_a_proj/g_b_proj``.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4, eps: float = 1e-5) -> None:
+    def __init__(
+        self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4, eps: float = 1e-5,
+        gate_lower_bound: float | None = None, full_rank_gate: bool = False,
+    ) -> None:
         super().__init__()
+        self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
+        self.full_rank_gate = full_rank_gate
         self.hidden_size, self.num_heads, self.head_dim, self.conv_size = hidden_size, num_heads, head_dim, conv_size
         width = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, width, bias=False)
@@ -57,18 +67,27 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=torch.float32))
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        # Low-rank output gate.
-        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        if full_rank_gate:
+            # K3: full-rank output gate.
+            self.g_proj = nn.Linear(hidden_size, width, bias=False)
+        else:
+            # Low-rank output gate.
+            self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.g_b_proj = nn.Linear(head_dim, width, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps=eps)
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
         self._pack: PackedLinears | None = None
         self._conv_cache: tuple | None = None
 
     def pack(self) -> None:
-        """Pack the six projections that read x (q, k, v, f_a, g_a, b) into one matrix; see ``PackedLinears``."""
-        self._pack = PackedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
+        """Pack the six projections that read x (q, k, v, f_a, g_a or g_proj, b) into one matrix; see
+        ``PackedLinears``."""
+        self._pack = PackedLinears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self._gate_in_proj(),
                                     self.b_proj])
+
+    def _gate_in_proj(self) -> nn.Linear:
+        """The output-gate projection that reads x: ``g_proj`` (full rank) or ``g_a_proj`` (low rank)."""
+        return self.g_proj if self.full_rank_gate else self.g_a_proj
 
     def empty_state(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> KDAState:
         """A zero state: what a sequence starts from."""
@@ -106,10 +125,14 @@ class KimiDeltaAttention(nn.Module):
 
     def forget_gate(self, f_a: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The raw per-channel gate ``f_b(f_a(x))`` [B, T, H, d] and the operator options that turn it into
-        ``-exp(A_log) * softplus(g + dt_bias)`` inside the kernel."""
+        ``-exp(A_log) * softplus(g + dt_bias)`` inside the kernel (or, with ``gate_lower_bound``,
+        ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``)."""
         B, T, _ = f_a.shape
         g_raw = self.f_b_proj(f_a).view(B, T, self.num_heads, self.head_dim)
-        return g_raw, dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        args = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        if self.gate_lower_bound is not None:
+            args["lower_bound"] = self.gate_lower_bound
+        return g_raw, args
 
     def _conv_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """q|k|v conv taps as one [W, 3*H*d] tensor. Cached between calls (it is rebuilt whenever a conv weight
@@ -143,11 +166,12 @@ class KimiDeltaAttention(nn.Module):
         H, d = self.num_heads, self.head_dim
         if padding_mask is not None:
             x = x * padding_mask[..., None].to(x.dtype)
+        gate_w = H * d if self.full_rank_gate else d
         if self._pack is not None and self._pack.valid():
-            qkv, f_a, g_a, beta_raw = F.linear(x, self._pack.weight).split([3 * H * d, d, d, H], dim=-1)
+            qkv, f_a, g_a, beta_raw = F.linear(x, self._pack.weight).split([3 * H * d, d, gate_w, H], dim=-1)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-            f_a, g_a, beta_raw = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+            f_a, g_a, beta_raw = self.f_a_proj(x), self._gate_in_proj()(x), self.b_proj(x)
         pos = None
         if cu_seqlens is not None:
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
@@ -167,6 +191,6 @@ class KimiDeltaAttention(nn.Module):
         )
         if state is not None:
             state.recurrent = final
-        gate = self.g_b_proj(g_a).view(B, T, H, d)
+        gate = (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(B, T, H, d)
         o = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.o_proj(o)

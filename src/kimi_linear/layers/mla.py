@@ -46,6 +46,9 @@ class NoPEMLA(nn.Module):
     Prefill expands the latent into per-head keys and values and calls SDPA; a single-token step uses the
     "absorbed" form (``q_nope`` is mapped into latent space through ``kv_b_proj``) so each step costs
     O(context * latent) instead of re-expanding the whole cache.
+
+    output_gate (Kimi K3 gated MLA, ``mla_use_output_gate``): the attention output [.., H*v] is multiplied by
+    ``sigmoid(g_proj(x))`` (float32 sigmoid, one gate per output channel, full rank) before ``o_proj``.
     """
 
     def __init__(
@@ -59,9 +62,11 @@ class NoPEMLA(nn.Module):
         q_lora_rank: int | None = None,
         bias: bool = False,
         eps: float = 1e-6,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.output_gate = output_gate
         self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.scale = self.qk_dim**-0.5
@@ -76,6 +81,8 @@ class NoPEMLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        if output_gate:
+            self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
 
     @property
     def cache_width(self) -> int:
@@ -111,7 +118,10 @@ class NoPEMLA(nn.Module):
             out = self._absorbed(q, entry, attn_mask)
         else:
             out = self._expanded(q, entry, attn_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if self.output_gate:
+            out = (out.float() * torch.sigmoid(self.g_proj(x).float())).to(out.dtype)
+        return self.o_proj(out)
 
     def _expanded(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """Prefill: expand every cached latent into per-head keys and values. Returns [B, H, T, v]."""

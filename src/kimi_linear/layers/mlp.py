@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .activation import GLU, silu_glu
 from .packing import PackedLinears
 
 
 class SwiGLUMLP(nn.Module):
-    """``down_proj(SiLU(gate_proj(x)) * up_proj(x))``; checkpoint names ``{gate,up,down}_proj.weight``."""
+    """``down_proj(SiLU(gate_proj(x)) * up_proj(x))``; checkpoint names ``{gate,up,down}_proj.weight``.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    glu: the GLU activation (default SiLU; K3 uses :class:`~kimi_linear.layers.activation.SiTUGLU`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, glu: GLU = silu_glu) -> None:
         super().__init__()
+        self.glu = glu
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -29,4 +32,4 @@ class SwiGLUMLP(nn.Module):
             gate, up = self._pack(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.glu(gate, up))

@@ -1,4 +1,5 @@
-"""Sigmoid-routed mixture of experts with a correction bias and shared experts (SPEC section 4, FFN)."""
+"""Sigmoid-routed mixture of experts with a correction bias and shared experts (SPEC section 4, FFN), and Kimi K3's
+LatentMoE (SPEC section 6): routed experts in a narrower latent space."""
 
 from __future__ import annotations
 
@@ -6,15 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .activation import GLU, silu_glu
 from .mlp import SwiGLUMLP
+from .norm import RMSNorm
 from .packing import PackedLinears
 
 
 class Expert(nn.Module):
-    """One routed expert, ``w2(SiLU(w1 x) * w3 x)``; checkpoint names ``w1`` (gate), ``w2`` (down), ``w3`` (up)."""
+    """One routed expert, ``w2(SiLU(w1 x) * w3 x)``; checkpoint names ``w1`` (gate), ``w2`` (down), ``w3`` (up).
+    ``glu`` replaces ``SiLU(a) * b`` (K3: SiTU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, glu: GLU = silu_glu) -> None:
         super().__init__()
+        self.glu = glu
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -29,7 +34,7 @@ class Expert(nn.Module):
             gate, up = F.linear(x, self._pack.weight).chunk(2, dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)
-        return F.linear(F.silu(gate) * up, self.w2.weight)
+        return F.linear(self.glu(gate, up), self.w2.weight)
 
 
 class SigmoidTopKRouter(nn.Module):
@@ -82,7 +87,13 @@ class SigmoidTopKRouter(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Routed experts plus shared SwiGLU experts; checkpoint prefix ``block_sparse_moe``."""
+    """Routed experts plus shared SwiGLU experts; checkpoint prefix ``block_sparse_moe``.
+
+    LatentMoE (K3, ``latent_size`` set): the router still reads the full-width x, but the routed experts run on
+    ``z = routed_expert_down_proj(x)`` [.., latent_size]; their weighted sum is RMS-normed (``routed_expert_norm``,
+    when ``latent_norm``) and mapped back by ``routed_expert_up_proj``. The norm sits after the weighted sum, as in
+    the released K3 (norm of the aggregate, then up-projection). Shared experts stay full width.
+    """
 
     def __init__(
         self,
@@ -95,14 +106,25 @@ class SparseMoE(nn.Module):
         renormalize: bool = True,
         n_group: int = 1,
         topk_group: int = 1,
+        glu: GLU = silu_glu,
+        latent_size: int | None = None,
+        latent_norm: bool = False,
+        eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.gate = SigmoidTopKRouter(
             hidden_size, num_experts, top_k, routed_scaling_factor, renormalize, n_group, topk_group
         )
-        self.experts = nn.ModuleList(Expert(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.latent_size = latent_size
+        width = latent_size or hidden_size
+        if latent_size is not None:
+            self.routed_expert_down_proj = nn.Linear(hidden_size, latent_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent_size, hidden_size, bias=False)
+            self.routed_expert_norm = RMSNorm(latent_size, eps) if latent_norm else None
+        self.experts = nn.ModuleList(Expert(width, moe_intermediate_size, glu) for _ in range(num_experts))
         self.shared_experts = (
-            SwiGLUMLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts > 0 else None
+            SwiGLUMLP(hidden_size, moe_intermediate_size * num_shared_experts, glu) if num_shared_experts > 0
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,19 +132,25 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
-        out = torch.zeros_like(flat)
+        z = flat if self.latent_size is None else self.routed_expert_down_proj(flat)      # [N, D or latent]
+        out = torch.zeros_like(z)
         if flat.shape[0] == 1:
             # Decode: one token, k experts; skip the sort / bincount machinery (pure overhead at this size).
             for e, w in zip(idx[0].tolist(), weights[0].unbind()):
-                out.add_((self.experts[e](flat) * w).to(out.dtype))
+                out.add_((self.experts[e](z) * w).to(out.dtype))
         else:
-            self._dispatch(flat, weights, idx, out)
+            self._dispatch(z, weights, idx, out)
+        if self.latent_size is not None:
+            if self.routed_expert_norm is not None:
+                out = self.routed_expert_norm(out)
+            out = self.routed_expert_up_proj(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
 
     def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-        """Add every token's weighted expert outputs into ``out`` [N, D]; one matmul per expert over its tokens."""
+        """Add every token's weighted expert outputs into ``out`` [N, W] (W = expert width: D, or the latent);
+        one matmul per expert over its tokens."""
         k = idx.shape[1]
         flat_idx = idx.reshape(-1)
         order = flat_idx.argsort(stable=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import KimiLinearConfig
 
+from .k3_config import K3_TINY, KIMI_K3, k3_options
+
 MODEL_TYPE = "kimi_linear"
 LAYER_KINDS = ("linear_attention", "full_attention")
 MLP_KINDS = ("dense", "sparse")
@@ -49,6 +51,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             full_attn_layers=[4, 8, 12, 16, 20, 24, 27], head_dim=128, num_heads=32, short_conv_kernel_size=4,
         ),
     ),
+    # Kimi K3 (issue 7, SPEC section 6): every K3 switch on, tiny; and the released K3 shape (for `info`).
+    "k3-tiny": K3_TINY,
+    "kimi-k3": KIMI_K3,
 }
 # Special ids of the byte-level tokenizer `init` writes (bytes are ids 0-255).
 PRESET_TOKENS = dict(eos_token_id=256, bos_token_id=257, pad_token_id=258)
@@ -100,21 +105,16 @@ def validate_config(config: KimiLinearConfig) -> KimiLinearConfig:
             i, t = bad[0]
             raise ValueError(f"config field `{field}`[{i}] is {t!r}; expected one of {kinds} "
                              "(a layer missing from the kind lists?)")
-    if config.hidden_act != "silu":
-        raise ValueError(f"config field `hidden_act` must be 'silu', got {config.hidden_act!r}")
     if getattr(config, "moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ValueError("config field `moe_router_activation_func` must be 'sigmoid', got "
                          f"{config.moe_router_activation_func!r}")
     if getattr(config, "mla_use_nope", True) is False:
         raise ValueError("config field `mla_use_nope` is false: rotary MLA is not part of Kimi Linear (NoPE only)")
-    # Kimi K3 options (SPEC section 6) change the math; refuse them rather than silently computing something else.
-    lac = getattr(config, "linear_attn_config", None) or {}
-    k3 = [f"linear_attn_config.{f}" for f in ("gate_lower_bound", "use_full_rank_gate") if lac.get(f)]
-    k3 += [f for f in ("mla_use_output_gate", "attn_res_block_size", "routed_expert_hidden_size")
-           if getattr(config, f, None)]
-    if k3:
-        raise ValueError(f"config field(s) {', '.join(f'`{f}`' for f in k3)} select Kimi K3 features that this "
-                         "Kimi Linear model does not implement yet")
+    # Kimi K3 switches (SPEC section 6) and `hidden_act` ("silu", or K3's "situ"): checked, naming the field.
+    k3_options(config)
+    rsf = config.routed_scaling_factor
+    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not rsf > 0 or rsf == float("inf"):
+        raise ValueError(f"config field `routed_scaling_factor` must be a positive number, got {rsf!r}")
     if "sparse" in config.mlp_layer_types:
         if config.num_experts_per_tok > config.num_local_experts:
             raise ValueError(f"config field `num_experts_per_token` ({config.num_experts_per_tok}) exceeds "
@@ -149,11 +149,12 @@ def load_config(path: str | os.PathLike) -> KimiLinearConfig:
 
 
 def preset_config(name: str, **overrides: Any) -> KimiLinearConfig:
-    """The config of a named preset (``tiny``, ``small``, ``kimi-linear-48b``), with field overrides."""
+    """The config of a named preset (``tiny``, ``small``, ``kimi-linear-48b``, ``k3-tiny``, ``kimi-k3``), with
+    field overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     raw = {**copy.deepcopy(PRESETS[name]), **PRESET_TOKENS, **overrides}
-    if name == "kimi-linear-48b":
+    if name in ("kimi-linear-48b", "kimi-k3"):
         raw.update(pad_token_id=163839, bos_token_id=163584, eos_token_id=163586)
     return config_from_dict(raw)
 

@@ -11,10 +11,21 @@ import torch
 from torch import nn
 from transformers import KimiLinearConfig
 
-from kimi_linear.layers import KDAState, KimiDeltaAttention, LatentCache, NoPEMLA, RMSNorm, SparseMoE, SwiGLUMLP
+from kimi_linear.layers import (
+    AttnResState,
+    KDAState,
+    KimiDeltaAttention,
+    LatentCache,
+    NoPEMLA,
+    RMSNorm,
+    SparseMoE,
+    SwiGLUMLP,
+    depth_mix,
+    make_glu,
+)
 
 from .cache import HybridCache
-from .config import validate_config
+from .config import k3_options, validate_config
 
 # Parameters kept in float32 whatever the model dtype: router weight and bias, and the forget-gate constants.
 FP32_SUFFIXES = (".gate.weight", ".e_score_correction_bias", ".dt_bias", ".A_log")
@@ -33,33 +44,50 @@ class CausalLMOutput:
 
 
 class KimiLinearDecoderLayer(nn.Module):
-    """``h = x + Attn(RMSNorm(x))``, ``y = h + FFN(RMSNorm(h))``; Attn is KDA or MLA, FFN dense or MoE."""
+    """``h = x + Attn(RMSNorm(x))``, ``y = h + FFN(RMSNorm(h))``; Attn is KDA or MLA, FFN dense or MoE.
+
+    With Kimi K3's block attention residuals (``attn_res_block_size``) the two residual additions are replaced
+    by depth mixes (:meth:`forward_attn_res`, names ``{attn,mlp}_res_{norm,proj}.weight``).
+    """
 
     def __init__(self, config: KimiLinearConfig, layer_idx: int) -> None:
         super().__init__()
         c = config
+        k3 = k3_options(c)
+        glu = make_glu(c.hidden_act, k3.situ_beta, k3.situ_linear_beta)
         self.is_kda = c.layer_types[layer_idx] == "linear_attention"
         if self.is_kda:
             self.self_attn: nn.Module = KimiDeltaAttention(
-                c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim, c.rms_norm_eps
+                c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim, c.rms_norm_eps,
+                gate_lower_bound=k3.gate_lower_bound, full_rank_gate=k3.use_full_rank_gate,
             )
         else:
             self.self_attn = NoPEMLA(
                 c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                c.v_head_dim, c.q_lora_rank, c.attention_bias,
+                c.v_head_dim, c.q_lora_rank, c.attention_bias, output_gate=k3.mla_use_output_gate,
             )
         # Checkpoint names: dense FFN under `mlp`, MoE under `block_sparse_moe`.
         if c.mlp_layer_types[layer_idx] == "sparse":
             self.block_sparse_moe = SparseMoE(
                 c.hidden_size, c.moe_intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                 c.n_shared_experts, c.routed_scaling_factor, c.norm_topk_prob, c.n_group, c.topk_group or 1,
+                glu=glu, latent_size=k3.routed_expert_hidden_size, latent_norm=k3.latent_moe_use_norm,
+                eps=c.rms_norm_eps,
             )
         else:
-            self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
+            self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, glu)
         # (not stored as a second attribute: that would register the module twice under two names)
         self.is_moe = c.mlp_layer_types[layer_idx] == "sparse"
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn_res = k3.attn_res_block_size is not None
+        if self.attn_res:
+            # Pseudo-queries [1, D] and key norms of the two depth mixes (before attention, before the FFN).
+            self.starts_block = layer_idx % k3.attn_res_block_size == 0
+            self.attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
 
     def empty_cache(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> KDAState | LatentCache:
         if self.is_kda:
@@ -74,24 +102,73 @@ class KimiLinearDecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.is_kda:
-            h = self.self_attn(h, cache, padding_mask, cu_seqlens)
-        else:
-            h = self.self_attn(h, cache, attn_mask)
+        h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens)
         x = x + h
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return x + ffn(self.post_attention_layernorm(x))
 
+    def _attn(
+        self, h: torch.Tensor, cache: KDAState | LatentCache | None, padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.is_kda:
+            return self.self_attn(h, cache, padding_mask, cu_seqlens)
+        return self.self_attn(h, cache, attn_mask)
+
+    def forward_attn_res(
+        self,
+        state: AttnResState,
+        cache: KDAState | LatentCache | None,
+        padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> None:
+        """Block AttnRes form of the layer (see :mod:`kimi_linear.layers.attn_res`); updates ``state`` in place.
+
+        Each sublayer reads the depth mix of ``state.sources()`` (embedding, block summaries, partial sum) and
+        adds its output to the partial sum; the first layer of a block first snapshots the partial sum, *after*
+        the attention mix (which therefore still sees the just-completed block as the partial sum).
+        """
+        h = depth_mix(state.sources(), self.attn_res_proj, self.attn_res_norm)
+        if self.starts_block:
+            state.start_block()
+        state.add(self._attn(self.input_layernorm(h), cache, padding_mask, attn_mask, cu_seqlens))
+        h = depth_mix(state.sources(), self.mlp_res_proj, self.mlp_res_norm)
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        state.add(ffn(self.post_attention_layernorm(h)))
+
 
 class KimiLinearModel(nn.Module):
-    """Embedding, decoder layers, final norm; checkpoint prefix ``model.``."""
+    """Embedding, decoder layers, final norm; checkpoint prefix ``model.``.
+
+    With block AttnRes the final hidden state is the depth mix ``output_attn_res_{norm,proj}`` of the last
+    sources instead of the residual stream (then ``norm`` as usual).
+    """
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_res = k3_options(config).attn_res_block_size is not None
+        if self.attn_res:
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def run_layers(
+        self, x: torch.Tensor, caches: list | None, padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embedded x [B, T, D] through every decoder layer -> hidden [B, T, D] before the final norm."""
+        if not self.attn_res:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens)
+            return x
+        state = AttnResState(x)
+        for i, layer in enumerate(self.layers):
+            layer.forward_attn_res(state, caches[i] if caches is not None else None, padding_mask, attn_mask,
+                                   cu_seqlens)
+        return depth_mix(state.sources(), self.output_attn_res_proj, self.output_attn_res_norm)
 
 
 def _mla_mask(
@@ -150,6 +227,8 @@ class KimiLinearForCausalLM(nn.Module):
                 dt = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
                 dt = dt.clamp_min(1e-4)
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif name.endswith("res_proj.weight"):
+                p.zero_()  # AttnRes pseudo-queries start at zero: a uniform depth mix (as in the paper)
             elif "norm" in name.rsplit(".", 2)[-2]:
                 p.fill_(1.0)
             elif name.endswith("conv1d.weight"):
@@ -258,8 +337,7 @@ class KimiLinearForCausalLM(nn.Module):
         attn_mask = _mla_mask(key_mask, past, T, input_ids.device)
 
         x = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cache.layers[i] if cache is not None else None, mask, attn_mask)
+        x = self.model.run_layers(x, cache.layers if cache is not None else None, mask, attn_mask)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(x))
@@ -284,8 +362,7 @@ class KimiLinearForCausalLM(nn.Module):
         pos = torch.arange(T, device=cu.device)
         attn_mask = ((pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None]))[None, None]
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, None, None, attn_mask, cu)
+        x = self.model.run_layers(x, None, None, attn_mask, cu)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return CausalLMOutput(logits=self.lm_head(self.model.norm(x)), cache=None)
