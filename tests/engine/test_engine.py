@@ -28,11 +28,13 @@ def reference(model: KimiLinearForCausalLM, prompt: list[int], n: int, eos: bool
     return toks[: toks.index(EOS) + 1] if eos and EOS in toks else toks
 
 
-def run_all(engine: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+def run_all(engine: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]], also=None) -> dict[str, list[int]]:
     outs: dict[str, list[int]] = {k: [] for k in reqs}
     reasons: dict[str, str] = {}
 
     def sink(o):
+        if also is not None:
+            also(o)
         outs[o.request_id].extend(o.token_ids)
         if o.finished:
             reasons[o.request_id] = o.finish_reason
@@ -51,12 +53,17 @@ def run_all(engine: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]]
 def test_continuous_batching_matches_single_request_greedy(model):
     rng = random.Random(1)
     reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 70))],
-                     SamplingParams(max_tokens=rng.randrange(1, 16), temperature=0)) for i in range(10)}
+                     SamplingParams(max_tokens=rng.randrange(1, 16), temperature=0, logprobs=0)) for i in range(10)}
     # 5 slots for 10 requests: they join and leave between steps; prefill chunks of 32 interleave with decode.
     engine = LLMEngine(model, EngineConfig(max_num_seqs=5, prefill_chunk=32))
-    outs = run_all(engine, reqs)
+    lps: dict[str, list[float]] = {k: [] for k in reqs}
+    outs = run_all(engine, reqs, lambda o: lps[o.request_id].extend(lp for _, lp, _ in o.logprobs))
     for k, (p, sp) in reqs.items():
         assert outs[k] == reference(model, p, sp.max_tokens), k
+        # Not just the same argmax: the same distribution (greedy tokens of a random model hide small errors).
+        ids, logits = model.generate(torch.tensor([p]), max_new_tokens=len(outs[k]), return_logits=True)
+        ref_lp = [float(lg[0].log_softmax(-1)[t]) for lg, t in zip(logits, outs[k])]
+        assert lps[k] == pytest.approx(ref_lp, abs=2e-4), k
     s = engine.stats()
     assert s["kda_slots_used"] == 0 and s["mla_blocks_used"] == 0 and s["running"] == 0
 

@@ -41,6 +41,14 @@ def reference(model: KimiLinearForCausalLM, prompt: list[int], n: int, eos: bool
     return toks[: toks.index(EOS) + 1] if eos and EOS in toks else toks
 
 
+def reference_with_logprobs(model: KimiLinearForCausalLM, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Single-request greedy tokens (through EOS) and each one's log-probability (what `logprobs` must report)."""
+    out, logits = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=EOS, return_logits=True)
+    toks = out[0, len(prompt):].tolist()
+    toks = toks[: toks.index(EOS) + 1] if EOS in toks else toks
+    return toks, [float(lg[0].log_softmax(-1)[t]) for lg, t in zip(logits, toks)]
+
+
 @dataclass
 class Server:
     url: str

@@ -14,7 +14,7 @@ import pytest
 from kimi_linear.model.tokenizer import byte_level_tokenizer
 from kimi_linear.server.protocol import fallback_chat_prompt
 
-from .conftest import reference
+from .conftest import reference, reference_with_logprobs
 
 TOK = byte_level_tokenizer()
 
@@ -69,14 +69,15 @@ def test_32_concurrent_streams_match_single_request_greedy(server, ref_model):
     rng = random.Random(32)
     jobs = [([rng.randrange(256) for _ in range(rng.randrange(1, 120))], rng.randrange(1, 32)) for _ in range(32)]
 
-    async def one(ac: openai.AsyncOpenAI, prompt: list[int], n: int) -> tuple[list[int], str]:
+    async def one(ac: openai.AsyncOpenAI, prompt: list[int], n: int) -> tuple[list[int], str, list[float]]:
         stream = await ac.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                             extra_body={"return_token_ids": True})
-        toks, text = [], ""
+                                             logprobs=0, extra_body={"return_token_ids": True})
+        toks, text, lps = [], "", []
         async for ch in stream:
             toks += ch.choices[0].token_ids
             text += ch.choices[0].text
-        return toks, text
+            lps += ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else []
+        return toks, text, lps
 
     async def main():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as ac:
@@ -88,10 +89,12 @@ def test_32_concurrent_streams_match_single_request_greedy(server, ref_model):
     assert after["steps_total"] > before["steps_total"]
     assert after["decode_forwards_total"] - before["decode_forwards_total"] < sum(n for _, n in jobs) / 4, \
         "decode steps were not batched"
-    for (prompt, n), (toks, text) in zip(jobs, results):
-        ref = reference(ref_model, prompt, n)
+    for (prompt, n), (toks, text, lps) in zip(jobs, results):
+        ref, ref_lps = reference_with_logprobs(ref_model, prompt, n)
         assert toks == ref, (len(prompt), n)
         assert text == TOK.decode(ref, skip_special_tokens=True)
+        # Same distributions, not only the same argmax (a random model's greedy tokens hide small errors).
+        assert lps == pytest.approx(ref_lps, abs=2e-4), (len(prompt), n)
 
 
 def test_prefix_cache_2000_token_prefix(server, ref_model):
