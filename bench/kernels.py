@@ -252,8 +252,9 @@ def sweep_scan() -> None:
 
 
 def profile_chunk() -> None:
-    """Chunk forward variants, each checked against the PyTorch path at 16x2048 and timed at both shapes: the
-    whole forward, the intra-chunk kernel alone and the scan kernel alone (the latter on stale buffers)."""
+    """Chunk forward variants (part 1 fused or split, warps, diagonal slice), each checked against the PyTorch path
+    at 16x2048 (outputs poisoned) and timed at both shapes: the whole forward, part 1 alone and the scan alone
+    (the latter on stale buffers)."""
     o_ = None
     refs = {}
     for B, T in ((16, 2048), (1, 32768)):
@@ -263,14 +264,15 @@ def profile_chunk() -> None:
             with torch_backend():
                 refs[B] = kops.chunk_kda(*args5({n: x[n].float() for n in ("q", "k", "v", "g", "beta")}),
                                          **opts(x, False))[0]
-        for iw, ds in ((8, 0), (4, 16), (8, 16), (4, 32)):
-            run = lambda st="both", iw=iw, ds=ds: chunk_kda_fwd(*args5(x), D ** -0.5, None, True, o_, None,
-                                                               intra_warps=iw, diag_slice=ds, stages=st)
-            err = rel(run()[0], refs[B]) if B in refs else float("nan")
+        for form, iw, ds in (("split", 8, 16), ("split", 4, 16), ("fused", 4, 16)):
+            run = lambda st="both", form=form, iw=iw, ds=ds: chunk_kda_fwd(
+                *args5(x), D ** -0.5, None, True, o_, None, intra_warps=iw, diag_slice=ds, stages=st, intra=form)
+            with Poison():
+                err = rel(run()[0], refs[B]) if B in refs else float("nan")
             t_all, t_intra = median_ms(run, 30), median_ms(lambda: run("intra"), 30)
-            say(f"  profile {B}x{T} intra warps={iw} diag_slice={ds}: rel err {err:.2e}; fwd {t_all:.3f} ms, "
-                f"intra {t_intra:.3f} ms")
-        for bv, nw in ((16, 4), (32, 4), (64, 4), (32, 8)):
+            say(f"  profile {B}x{T} intra {form} warps={iw} diag_slice={ds}: rel err {err:.2e}; fwd {t_all:.3f} ms, "
+                f"part 1 {t_intra:.3f} ms")
+        for bv, nw in ((32, 4), (64, 4)):
             t = median_ms(lambda bv=bv, nw=nw: chunk_kda_fwd(*args5(x), D ** -0.5, None, True, o_, None, block_v=bv,
                                                              num_warps=nw, stages="scan"), 30)
             say(f"  profile {B}x{T} scan BV={bv} warps={nw}: {t:.3f} ms")

@@ -128,3 +128,21 @@ def test_column_loop_diagonal_variant(raw):
                          None, diag_slice=0)
     o_ref, S_ref = reference(x, opts)
     assert rel_err(o, o_ref) < 1e-4 and rel_err(S, S_ref) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["options_bf16", "varlen_extreme_fp32"])
+def test_split_intra_variant(case):
+    """Part 1 as two kernels (chunk_split.py): the same results as the fused kernel's bars."""
+    from kimi_linear.ops.triton.chunk import chunk_kda_fwd
+
+    if case == "options_bf16":
+        x = make_inputs(B=2, T=70, H=1, HV=2, K=32, V=16, raw=True, dtype=torch.bfloat16, seed=38)
+        opts, cu, bar = KernelOptions(True, True, True, False, torch.randn(2), torch.randn(64), -5.0), None, 5e-3
+    else:
+        cu = torch.tensor([0, 1, 2, 70, 71, 90])
+        x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, strong_decay=True, seed=39)
+        opts, bar = NO_OPTIONS, 1e-4
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, opts,
+                         cu, intra="split", intra_warps=8)
+    o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
+    assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar

@@ -15,6 +15,7 @@ from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
 from .chunk_intra import chunk_kda_fwd_intra_kernel
 from .chunk_scan import chunk_kda_fwd_scan_kernel
+from .chunk_split import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
 BT = 64        # chunk size
 BC = 16        # sub-block inside a chunk
@@ -38,6 +39,7 @@ def chunk_kda_fwd(
     initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
     cu_seqlens: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, intra_warps: int = 4, diag_slice: int = 16, stages: str = "both",
+    intra: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None).
 
@@ -76,7 +78,27 @@ def chunk_kda_fwd(
     dummy = o
     A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
     dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
-    if NT > 0 and stages != "scan":
+    if NT > 0 and stages != "scan" and intra == "split":
+        varlen = dict(cu_seqlens=cu_seqlens if cu_seqlens is not None else dummy,
+                      chunk_indices=chunk_indices if chunk_indices is not None else dummy)
+        flags = dict(IS_VARLEN=cu_seqlens is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+                     NEG_EIGVAL=opts.allow_neg_eigval, PREC=prec)
+        Akk = torch.empty(B, T, HV, BT, **f32)
+        chunk_kda_fwd_scores_kernel[(NT, HV)](
+            q, k, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            **varlen, qg=qg, kend=kend, kgb=w, Aqk=Aqk, Akk=Akk, decay=decay,
+            lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T, NT=NT_seq,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, DIAG_BKS=diag_slice or 16,
+            USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
+            USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, **flags,
+            num_warps=intra_warps,
+        )
+        chunk_kda_fwd_wy_kernel[(NT, HV)](
+            v, beta, Akk, w, u, **varlen, T=T, NT=NT_seq,
+            HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, triton.next_power_of_2(V)), **flags,
+            num_warps=intra_warps,
+        )
+    elif NT > 0 and stages != "scan":
         chunk_kda_fwd_intra_kernel[(NT, HV)](
             q, k, v, g, beta,
             A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
