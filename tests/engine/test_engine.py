@@ -87,10 +87,13 @@ def test_prefix_cache_reuses_blocks_and_kda_snapshot(model):
     prefix = [rng.randrange(256) for _ in range(320)]
     a, b = prefix + [1, 2, 3, 4, 5], prefix + [9, 8, 7]
     engine = LLMEngine(model, EngineConfig(max_num_seqs=2, prefill_chunk=64))
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
     out_a = run_all(engine, {"a": (a, sp)})["a"]
     before = dict(engine.counters)
-    out_b = run_all(engine, {"b": (b, sp)})["b"]
+    lps: list[float] = []
+    out_b = run_all(engine, {"b": (b, sp)}, lambda o: lps.extend(lp for _, lp, _ in o.logprobs))["b"]
+    _, logits = model.generate(torch.tensor([b]), max_new_tokens=6, return_logits=True)
+    assert lps == pytest.approx([float(lg[0].log_softmax(-1)[t]) for lg, t in zip(logits, out_b)], abs=2e-4)
     assert engine.counters["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 320
     assert engine.counters["prefill_tokens"] - before["prefill_tokens"] == 3
     assert out_a == reference(model, a, 6, eos=False)
