@@ -100,6 +100,21 @@ def test_prefix_cache_reuses_blocks_and_kda_snapshot(model):
     assert out_b == reference(model, b, 6, eos=False)
 
 
+def test_prefix_cache_extends_a_previous_prompt_to_its_last_full_block(model):
+    """The next turn of a conversation contains the whole previous prompt: reused up to its last full block
+    (336 of 350 tokens), not only up to the last multiple of the prefill chunk (320)."""
+    rng = random.Random(4)
+    first = [rng.randrange(256) for _ in range(350)]
+    nxt = first + [rng.randrange(256) for _ in range(30)]
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, prefill_chunk=64))
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    run_all(engine, {"1": (first, sp)})
+    before = engine.counters["prefix_cache_hit_tokens"]
+    out = run_all(engine, {"2": (nxt, sp)})["2"]
+    assert engine.counters["prefix_cache_hit_tokens"] - before == 336
+    assert out == reference(model, nxt, 3, eos=False)
+
+
 def test_abort_frees_slot_and_blocks(model):
     engine = LLMEngine(model, EngineConfig(max_num_seqs=2, prefix_caching=False))
     got = []

@@ -371,8 +371,14 @@ class LLMEngine:
             pre = next((s for s in self.running if s.num_tokens() - s.num_computed > 1), None)
             if pre is None:
                 break
-            p = pre.num_computed
-            T = min((p // chunk + 1) * chunk, pre.num_tokens()) - p
+            p, n = pre.num_computed, pre.num_tokens()
+            end = min((p // chunk + 1) * chunk, n)
+            # Also stop at the prompt's last full block, so a later prompt that extends this one (the next turn
+            # of a chat, a retry) finds a KDA snapshot there.
+            last_full = n // self.cfg.block_size * self.cfg.block_size
+            if self.cfg.prefix_caching and p < last_full < end:
+                end = last_full
+            T = end - p
             if not self._reserve(pre, p + T):
                 continue
             self.counters["prefill_forwards"] += 1
