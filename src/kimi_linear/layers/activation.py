@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .norm import upcast
+
 GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -22,7 +24,7 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class SiTUGLU:
     """Kimi K3's SiTU GLU: ``gate' = b * tanh(gate / b) * sigmoid(gate)``, ``up' = b_lin * tanh(up / b_lin)``,
-    ``out = gate' * up'``, computed in float32 and cast back to the input dtype.
+    ``out = gate' * up'``, computed in float32 (float64 for float64 inputs) and cast back to the input dtype.
 
     The two tanh soft-caps bound the product by ``b * b_lin`` (4 * 25 = 100 at the published values), which is
     what keeps the MXFP4-trained expert activations in range; near 0 SiTU behaves like SiLU-GLU.
@@ -32,7 +34,7 @@ class SiTUGLU:
     linear_beta: float = 25.0
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        g, u = gate.float(), up.float()
+        g, u = upcast(gate), upcast(up)
         g = self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g)
         u = self.linear_beta * torch.tanh(u / self.linear_beta)
         return (g * u).to(gate.dtype)

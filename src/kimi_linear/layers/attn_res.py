@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import upcast
+
 
 def depth_mix(sources: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> torch.Tensor:
     """sources: S tensors [B, T, D] -> [B, T, D]: ``sum_s softmax_s(proj . RMSNorm(v_s)) * v_s``, float32 inside.
@@ -32,9 +34,9 @@ def depth_mix(sources: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> 
     """
     if len(sources) == 1:
         return sources[0]  # softmax over one source is exactly 1
-    V = torch.stack(sources).float()                                                     # [S, B, T, D]
-    K = F.rms_norm(V, (V.shape[-1],), norm.weight.float(), eps=norm.eps)
-    logits = K @ proj.weight.float()[0]                                                  # [S, B, T]
+    V = upcast(torch.stack(sources))                                                     # [S, B, T, D]
+    K = F.rms_norm(V, (V.shape[-1],), upcast(norm.weight), eps=norm.eps)
+    logits = K @ upcast(proj.weight)[0]                                                  # [S, B, T]
     w = logits.softmax(0)
     return torch.einsum("sbt,sbtd->btd", w, V).to(sources[0].dtype)
 

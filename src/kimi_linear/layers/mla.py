@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import RMSNorm
+from .norm import RMSNorm, upcast
 
 
 class LatentCache:
@@ -120,7 +120,7 @@ class NoPEMLA(nn.Module):
             out = self._expanded(q, entry, attn_mask)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.output_gate:
-            out = (out.float() * torch.sigmoid(self.g_proj(x).float())).to(out.dtype)
+            out = (upcast(out) * torch.sigmoid(upcast(self.g_proj(x)))).to(out.dtype)
         return self.o_proj(out)
 
     def _expanded(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -149,7 +149,7 @@ class NoPEMLA(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         # [B, H, 1, C | rope]: the query expressed in the cache's own coordinates.
         q_lat = torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1)
-        scores = (q_lat @ entry[:, None].transpose(-1, -2)).float() * self.scale    # [B, H, 1, L]
+        scores = upcast(q_lat @ entry[:, None].transpose(-1, -2)) * self.scale    # [B, H, 1, L]
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         p = scores.softmax(-1).to(entry.dtype)

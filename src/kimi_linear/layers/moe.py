@@ -9,7 +9,7 @@ from torch import nn
 
 from .activation import GLU, silu_glu
 from .mlp import SwiGLUMLP
-from .norm import RMSNorm
+from .norm import RMSNorm, upcast
 from .packing import PackedLinears
 
 
@@ -69,8 +69,8 @@ class SigmoidTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
+        scores = F.linear(upcast(x), upcast(self.weight)).sigmoid()
+        choice = scores + self.e_score_correction_bias.to(scores.dtype)
         if self.n_group > 1:
             # Group-limited routing (DeepSeek-V3 style): keep the topk_group groups whose two best experts score
             # highest, then choose the top-k experts inside them.

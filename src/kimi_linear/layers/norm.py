@@ -7,6 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 when it already is (so float64 reference runs stay float64 end to end; for
+    float32 / bf16 / fp16 this is exactly ``x.float()``)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
 
@@ -23,7 +29,7 @@ class RMSNorm(nn.Module):
         """x: [..., hidden_size] -> same shape and dtype."""
         # F.rms_norm is the same formula (x * rsqrt(mean(x^2) + eps)) in one fused op: decoding is dominated by
         # per-op overhead, and a norm runs twice per layer.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -42,8 +48,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o, gate: [..., H, d] -> [..., H, d] in o's dtype."""
-        of = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), eps=self.eps)
-        return (of * torch.sigmoid(gate.float())).to(o.dtype)
+        of = F.rms_norm(upcast(o), (o.shape[-1],), upcast(self.weight), eps=self.eps)
+        return (of * torch.sigmoid(upcast(gate))).to(o.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
