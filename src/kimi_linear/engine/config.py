@@ -26,7 +26,7 @@ class EngineConfig:
     max_num_seqs: KDA state slots = most sequences running at once (each needs one fixed-size slot).
     memory: bytes for all cache pools (KDA slots + prefix snapshots + MLA blocks); the MLA block count is what is
         left after the fixed parts. Ignored when ``num_blocks`` is given. ``None`` with no ``num_blocks``: room for
-        ``max_num_seqs`` sequences of the full context.
+        ``max_num_seqs`` sequences of the full context, at most 4 GiB of MLA blocks.
     num_blocks: MLA latent blocks in the paged pool (each ``block_size`` tokens for every MLA layer).
     block_size: tokens per MLA block, and the granularity of prefix sharing.
     prefill_chunk: most prompt tokens one prefill forward processes (a multiple of ``block_size``). Prefill forwards

@@ -25,6 +25,8 @@ from .pools import BlockPool, SnapshotCache, StatePool
 from .sampling import SamplingParams, sample, token_logprobs
 from .sequence import RequestOutput, Sequence, Status
 
+DEFAULT_MLA_BYTES = 4 * 2**30
+
 
 class LLMEngine:
     """Synchronous engine; drive it with :meth:`step` (the server runs it in a background thread)."""
@@ -62,7 +64,11 @@ class LLMEngine:
                         f"{self.slots.nbytes() + self.snapshots.pool.nbytes()} bytes and one MLA block "
                         f"{block_bytes}; raise `memory` or lower `max_num_seqs` / `num_snapshots`")
             else:
+                # Room for max_num_seqs full-context sequences, but at most DEFAULT_MLA_BYTES (a 1M-token context
+                # would otherwise ask for >100 GB); --memory / num_blocks choose more.
                 num_blocks = S * math.ceil(self.max_context / bs)
+                if block_bytes:
+                    num_blocks = max(1, min(num_blocks, DEFAULT_MLA_BYTES // block_bytes))
         self.blocks = BlockPool(int(num_blocks), bs, self.widths, dtype, device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -24,7 +24,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once = KDA state slots")
     s.add_argument("--memory", default=None,
                    help="bytes for the cache pools, e.g. 2GiB (default: room for max-num-seqs full-context "
-                        "sequences)")
+                        "sequences, at most 4 GiB of MLA blocks)")
     s.add_argument("--num-blocks", type=int, default=None, help="MLA latent blocks (overrides --memory)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per MLA block (default 16)")
     s.add_argument("--prefill-chunk", type=int, default=64,
