@@ -101,6 +101,13 @@ def run_train(args: argparse.Namespace) -> int:
         print("error: give exactly one of --task or --corpus", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:  # under torchrun: FSDP2 data parallel
+        from .distributed import init_distributed
+
+        rank, world, dev = init_distributed()
+        device = str(dev)
     config = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
                          weight_decay=args.weight_decay, grad_clip=args.grad_clip, grad_accum=args.grad_accum,
                          eval_every=args.eval_every, save_every=args.save_every, out_dir=args.out,
@@ -127,7 +134,19 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"error: model vocab_size {model_config.vocab_size} < tokenizer size {len(tokenizer)}",
                   file=sys.stderr)
             return 2
-    if args.resume:
+    if world > 1:
+        from .distributed import ShardedSource, load_sharded, shard_model
+
+        source = source.shard(rank, world) if hasattr(source, "shard") else ShardedSource(source, rank, world)
+        if model is None:
+            model = (KimiLinearForCausalLM.from_pretrained(args.resume, dtype=torch.float32) if args.resume else
+                     KimiLinearForCausalLM(model_config).init_weights(args.seed))
+        trainer = Trainer(shard_model(model.to(device), bf16=device.startswith("cuda") and not args.no_bf16),
+                          source, config)
+        trainer.sharded = True
+        if args.resume:
+            load_sharded(trainer, args.resume)
+    elif args.resume:
         trainer = resume(args.resume, source, config, device=device)
     else:
         torch.manual_seed(args.seed)
@@ -140,5 +159,10 @@ def run_train(args: argparse.Namespace) -> int:
           file=sys.stderr)
     history = trainer.fit()
     last = history[-1] if history else {}
-    print(json.dumps({k: v for k, v in last.items() if isinstance(v, int | float)}))
+    if rank == 0:
+        print(json.dumps({k: v for k, v in last.items() if isinstance(v, int | float)}))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0

@@ -90,6 +90,14 @@ class PackedTextSource:
         self.train_docs, self.eval_docs = train_docs, eval_docs
         self.batch_size, self.seq_len, self.seed, self.grad_accum = batch_size, seq_len, seed, grad_accum
         self.eval_rows = eval_rows
+        self.rank, self.world = 0, 1
+
+    def shard(self, rank: int, world: int) -> PackedTextSource:
+        """Keep training rows ``rank::world`` of every batch (data parallel); evaluation stays whole."""
+        if self.batch_size % world:
+            raise ValueError(f"batch size {self.batch_size} is not divisible by the world size {world}")
+        self.rank, self.world = rank, world
+        return self
 
     def _row(self, docs: list[torch.Tensor], start: int):
         picked, total, i = [], 0, start
@@ -111,7 +119,7 @@ class PackedTextSource:
         n = len(self.train_docs)
         first = (step * self.grad_accum + micro) * self.batch_size
         rows = []
-        for r in range(first, first + self.batch_size):
+        for r in range(first + self.rank, first + self.batch_size, self.world):
             epoch, pos = divmod(r, n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
             rows.append(self._row(self.train_docs, int(perm[pos])))

@@ -86,22 +86,34 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_sharded(trainer, path: str | os.PathLike) -> None:
-    """DCP checkpoint of model + optimizer (+ step) under ``path/dcp``; rank 0 exports the full model to ``path``."""
+def save_sharded(trainer, path: str | os.PathLike, tokenizer=None) -> None:
+    """DCP checkpoint of model + optimizer (+ step) under ``path/dcp``; rank 0 exports the full model (and the
+    tokenizer) to ``path``. Written under a temporary name that rank 0 renames once every rank has finished."""
+    import shutil
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from kimi_linear.model import KimiLinearForCausalLM
 
     path = os.fspath(path)
+    tmp = f"{path}.tmp-dist"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, DCP_DIR))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, DCP_DIR))
     full = full_model_state(trainer.model)
     if dist.get_rank() == 0:
         export = KimiLinearForCausalLM(trainer.model.config)
         export.load_state_dict(full)
-        export.save_pretrained(path)
-        torch.save({"step": trainer.step, "history": trainer.history}, os.path.join(path, "dist_state.pt"))
+        export.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save({"step": trainer.step, "history": trainer.history}, os.path.join(tmp, "dist_state.pt"))
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
     dist.barrier()
 
 

@@ -141,6 +141,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.tokenizer = None            # saved beside each checkpoint when set (text training)
+        self.sharded = False             # FSDP2 across ranks: checkpoints go through DCP (see distributed.py)
         self.routers = RouterWatch(model) if config.balance else None
 
     # --------------------------------------------------------------------------------------------- one step
@@ -190,7 +191,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         c = self.config
-        bar = tqdm(total=c.steps, initial=self.step, disable=not c.progress, desc="train", unit="step")
+        main_rank = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+            torch.distributed.get_rank() == 0
+        show = c.progress and main_rank
+        bar = tqdm(total=c.steps, initial=self.step, disable=not show, desc="train", unit="step")
         t0, tok0 = time.perf_counter(), 0
         while self.step < c.steps:
             rec = self.train_step()
@@ -201,7 +205,7 @@ class Trainer:
             last = self.step == c.steps
             if (c.eval_every and self.step % c.eval_every == 0) or last:
                 rec.update({f"eval_{k}": v for k, v in evaluate(self.model, self.source, self.device).items()})
-                if c.progress:
+                if show:
                     bar.write(f"step {self.step}: loss {rec['loss']:.4f}  eval loss {rec['eval_loss']:.4f}  "
                               f"eval accuracy {rec['eval_accuracy']:.3f}")
             if c.out_dir and ((c.save_every and self.step % c.save_every == 0) or last):
@@ -214,6 +218,10 @@ class Trainer:
         """Write the model (``save_pretrained``: config.json + safetensors) and ``trainer_state.pt`` into ``path``,
         via a temporary directory renamed into place, so an interrupted save never leaves a half checkpoint."""
         path = os.fspath(path)
+        if self.sharded:
+            from .distributed import save_sharded
+
+            return save_sharded(self, path, tokenizer=self.tokenizer)
         tmp = f"{path}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
