@@ -177,3 +177,15 @@ def test_memory_budget_sizes_pools_and_errors_name_the_field(model):
         engine.check_request([1] * 4096, SamplingParams())
     with pytest.raises(ValueError, match="vocabulary"):
         engine.check_request([1, 999], SamplingParams())
+
+
+def test_k3_options_batch_exactly_too():
+    """Kimi K3 switches (gated MLA, block AttnRes, LatentMoE, ...) change no engine assumption."""
+    torch.manual_seed(0)
+    k3 = KimiLinearForCausalLM(preset_config("k3-tiny", eos_token_id=EOS)).init_weights(0).eval()
+    rng = random.Random(5)
+    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 60))],
+                     SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i in range(4)}
+    outs = run_all(LLMEngine(k3, EngineConfig(max_num_seqs=3, prefill_chunk=32)), reqs)
+    for k, (p, _) in reqs.items():
+        assert outs[k] == reference(k3, p, 6, eos=False), k
