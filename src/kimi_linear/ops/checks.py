@@ -116,9 +116,14 @@ def check_kda_inputs(
             raise ValueError(f"`initial_state` must have shape [{what}={rows}, HV={HV}, K={K}, V={V}], "
                              f"got {tuple(initial_state.shape)}")
         if state_indices is not None and state_indices.numel() > 0:
-            lo, hi = int(state_indices.min()), int(state_indices.max())
-            if lo < 0 or hi >= rows:
-                raise ValueError(f"`state_indices` must lie in [0, {rows}), got values from {lo} to {hi}")
+            if state_indices.is_cuda:
+                # Reading the values back would stall every decode step and cannot run inside a CUDA graph:
+                # check on the device instead (an out-of-range slot raises a device-side assertion).
+                torch._assert_async(((state_indices >= 0) & (state_indices < rows)).all())
+            else:
+                lo, hi = int(state_indices.min()), int(state_indices.max())
+                if lo < 0 or hi >= rows:
+                    raise ValueError(f"`state_indices` must lie in [0, {rows}), got values from {lo} to {hi}")
     return KDAShape(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
 
