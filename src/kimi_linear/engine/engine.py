@@ -9,8 +9,10 @@ never padded. Decode rows of different lengths are aligned by left-padding their
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -154,17 +156,20 @@ class LLMEngine:
         )
 
     # -------------------------------------------------------------------------------------------- prefix cache
-    def _block_hash(self, seq: Sequence, i: int) -> int:
+    def _block_hash(self, seq: Sequence, i: int) -> bytes:
         """Hash chain over full blocks: block i's hash covers every token before its end."""
         hs = seq.__dict__.setdefault("hashes", [])
         toks = None
         while len(hs) <= i:
             toks = toks or seq.tokens
             j, bs = len(hs), self.cfg.block_size
-            hs.append(hash((hs[-1] if hs else 0, tuple(toks[j * bs : (j + 1) * bs]))))
+            # A cryptographic digest, not Python's hash(): int-tuple hashes are not randomised, so crafted
+            # prompts could collide with another client's prefix and read its cache.
+            data = (hs[-1] if hs else b"") + array("q", toks[j * bs : (j + 1) * bs]).tobytes()
+            hs.append(hashlib.blake2b(data, digest_size=16).digest())
         return hs[i]
 
-    def _match_prefix(self, seq: Sequence) -> tuple[list[int], str | None]:
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], bytes | None]:
         """Longest run of cached full blocks that ends where a KDA snapshot exists (>= 1 token left to run)."""
         if not self.cfg.prefix_caching:
             return [], None

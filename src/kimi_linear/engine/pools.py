@@ -72,8 +72,8 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()     # LRU: oldest first
-        self.hash_of: dict[int, int] = {}                            # block -> prefix hash
-        self.block_of: dict[int, int] = {}                           # prefix hash -> block
+        self.hash_of: dict[int, bytes] = {}                            # block -> prefix hash
+        self.block_of: dict[bytes, int] = {}                           # prefix hash -> block
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.data)
@@ -112,7 +112,7 @@ class BlockPool:
             else:
                 self.free_plain.append(b)
 
-    def register(self, b: int, h: int) -> None:
+    def register(self, b: int, h: bytes) -> None:
         """Make full block ``b`` findable by prefix hash ``h`` (first writer wins)."""
         if h not in self.block_of and b not in self.hash_of:
             self.block_of[h] = b
@@ -144,12 +144,12 @@ class SnapshotCache:
 
     def __init__(self, pool: StatePool) -> None:
         self.pool = pool
-        self.slot_of: OrderedDict[int, int] = OrderedDict()
+        self.slot_of: OrderedDict[bytes, int] = OrderedDict()
 
-    def __contains__(self, h: int) -> bool:
+    def __contains__(self, h: bytes) -> bool:
         return h in self.slot_of
 
-    def save(self, h: int, src: StatePool, slot: int) -> None:
+    def save(self, h: bytes, src: StatePool, slot: int) -> None:
         if self.pool.num_slots == 0:
             return
         if h in self.slot_of:
@@ -161,6 +161,6 @@ class SnapshotCache:
         src.copy_to(slot, self.pool, dst)
         self.slot_of[h] = dst
 
-    def restore(self, h: int, dst_pool: StatePool, dst: int) -> None:
+    def restore(self, h: bytes, dst_pool: StatePool, dst: int) -> None:
         self.slot_of.move_to_end(h)
         self.pool.copy_to(self.slot_of[h], dst_pool, dst)
