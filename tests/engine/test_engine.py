@@ -52,9 +52,9 @@ def run_all(engine: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]]
 
 def test_continuous_batching_matches_single_request_greedy(model):
     rng = random.Random(1)
-    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 70))],
-                     SamplingParams(max_tokens=rng.randrange(1, 16), temperature=0, logprobs=0)) for i in range(10)}
-    # 5 slots for 10 requests: they join and leave between steps; prefill chunks of 32 interleave with decode.
+    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 50))],
+                     SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0, logprobs=0)) for i in range(8)}
+    # 5 slots for 8 requests: they join and leave between steps; prefill chunks of 32 interleave with decode.
     engine = LLMEngine(model, EngineConfig(max_num_seqs=5, prefill_chunk=32))
     lps: dict[str, list[float]] = {k: [] for k in reqs}
     outs = run_all(engine, reqs, lambda o: lps[o.request_id].extend(lp for _, lp, _ in o.logprobs))
