@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-PRESET_HELP = "a checkpoint directory, or a preset name (tiny, small, kimi-linear-48b)"
+PRESET_HELP = "a checkpoint directory, or a preset name (tiny, small, kimi-linear-48b, k3-tiny, kimi-k3)"
 
 
 def _dtype(name: str):
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a random checkpoint (config.json + safetensors) of a named preset and "
                        "a byte-level tokenizer beside it, so everything can be tried without downloads.")
     n.add_argument("path", help="output directory")
-    n.add_argument("--preset", default="tiny", help="tiny (default), small, kimi-linear-48b")
+    n.add_argument("--preset", default="tiny", help="tiny (default), small, kimi-linear-48b, k3-tiny, kimi-k3")
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     n.add_argument("--context", type=int, default=None, help="override the preset's context length")

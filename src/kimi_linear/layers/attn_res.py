@@ -42,11 +42,14 @@ def depth_mix(sources: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> 
 
 
 class AttnResState:
-    """The depth bookkeeping of one forward pass: completed block summaries and the current partial sum."""
+    """The depth bookkeeping of one forward pass: completed block summaries and the current partial sum.
 
-    def __init__(self, embedding: torch.Tensor) -> None:
-        self.blocks: list[torch.Tensor] = []
-        self.partial: torch.Tensor | None = embedding
+    Between decoder layers it travels as plain tensors (``blocks`` list, ``partial``), so that module hooks which
+    look for tensors in a layer's inputs and outputs (FSDP2's unshard-for-backward) see them."""
+
+    def __init__(self, partial: torch.Tensor, blocks: list[torch.Tensor] | None = None) -> None:
+        self.blocks: list[torch.Tensor] = list(blocks or [])
+        self.partial: torch.Tensor | None = partial
 
     def sources(self) -> list[torch.Tensor]:
         assert self.partial is not None

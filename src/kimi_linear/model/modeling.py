@@ -101,7 +101,18 @@ class KimiLinearDecoderLayer(nn.Module):
         padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        attn_res_blocks: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[list[torch.Tensor], torch.Tensor]:
+        """x: hidden [B, T, D] -> [B, T, D].
+
+        With block AttnRes, x is the running partial sum and ``attn_res_blocks`` the embedding and completed block
+        summaries; returns the updated ``(blocks, partial)``. (AttnRes goes through ``forward`` with plain tensors
+        in and out, so module hooks -- FSDP2's unsharding for forward and backward -- work as for any layer.)"""
+        if attn_res_blocks is not None:
+            state = self.forward_attn_res(AttnResState(x, attn_res_blocks), cache, padding_mask, attn_mask,
+                                          cu_seqlens)
+            assert state.partial is not None
+            return state.blocks, state.partial
         h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens)
         x = x + h
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
@@ -122,7 +133,7 @@ class KimiLinearDecoderLayer(nn.Module):
         padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None = None,
-    ) -> None:
+    ) -> AttnResState:
         """Block AttnRes form of the layer (see :mod:`kimi_linear.layers.attn_res`); updates ``state`` in place.
 
         Each sublayer reads the depth mix of ``state.sources()`` (embedding, block summaries, partial sum) and
@@ -136,6 +147,7 @@ class KimiLinearDecoderLayer(nn.Module):
         h = depth_mix(state.sources(), self.mlp_res_proj, self.mlp_res_norm)
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         state.add(ffn(self.post_attention_layernorm(h)))
+        return state
 
 
 class KimiLinearModel(nn.Module):
@@ -164,11 +176,11 @@ class KimiLinearModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens)
             return x
-        state = AttnResState(x)
+        blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            layer.forward_attn_res(state, caches[i] if caches is not None else None, padding_mask, attn_mask,
-                                   cu_seqlens)
-        return depth_mix(state.sources(), self.output_attn_res_proj, self.output_attn_res_norm)
+            blocks, x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens,
+                              attn_res_blocks=blocks)
+        return depth_mix([*blocks, x], self.output_attn_res_proj, self.output_attn_res_norm)
 
 
 def _mla_mask(
