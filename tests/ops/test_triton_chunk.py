@@ -4,39 +4,17 @@ Outputs and every intermediate buffer are poisoned with NaN before each run: an 
 (or read before writing) fails the comparison.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
 from kimi_linear.ops import chunk_kda as torch_chunk_kda  # noqa: E402
-from kimi_linear.ops import naive_recurrent_kda  # noqa: E402
 from kimi_linear.ops.gate import KernelOptions  # noqa: E402
 from kimi_linear.ops.triton import chunk_kda  # noqa: E402
 
 from .kda_cases import loss_weights, make_inputs, rel_err  # noqa: E402
-
-NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """torch.empty hands out NaN-filled memory while a test runs, so unwritten outputs show up as NaN."""
-    real_empty = torch.empty
-    poison = lambda x: x.fill_(NAN) if x.is_floating_point() else x
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-
-
-def reference(x, opts: KernelOptions, cu_seqlens=None):
-    d = {n: x[n].double() for n in ("q", "k", "v", "g", "beta")}
-    q, k, g, beta = opts.apply(d["q"], d["k"], d["g"], d["beta"])
-    return naive_recurrent_kda(q.double(), k.double(), d["v"], g.double(), beta.double(),
-                               initial_state=x["initial_state"], output_final_state=True, cu_seqlens=cu_seqlens)
-
+from .triton_cases import poison_empty, reference  # noqa: E402, F401  (autouse fixture)
 
 NO_OPTIONS = KernelOptions()
 

@@ -1,0 +1,31 @@
+"""Shared by the Triton interpreter tests: NaN-poisoned allocations and the float64 reference after the in-kernel
+transforms."""
+
+import pytest
+import torch
+
+from kimi_linear.ops import naive_recurrent_kda
+from kimi_linear.ops.gate import KernelOptions
+
+NAN = float("nan")
+_DEFAULT = object()
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """torch.empty / Tensor.new_empty hand out NaN-filled memory while a test runs, so an output element (or an
+    intermediate buffer) a kernel forgets to write shows up as NaN."""
+    real_empty, real_new_empty = torch.empty, torch.Tensor.new_empty
+    poison = lambda x: x.fill_(NAN) if x.is_floating_point() else x
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+
+
+def reference(x, opts: KernelOptions, cu_seqlens=None, initial_state=_DEFAULT):
+    """The float64 ground truth after the in-kernel transforms, applied in float64; the initial state defaults to
+    ``x["initial_state"]``."""
+    d = {n: x[n].double() for n in ("q", "k", "v", "g", "beta")}
+    q, k, g, beta = opts.apply(d["q"], d["k"], d["g"], d["beta"])
+    h0 = x["initial_state"] if initial_state is _DEFAULT else initial_state
+    return naive_recurrent_kda(q.double(), k.double(), d["v"], g.double(), beta.double(),
+                               initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
