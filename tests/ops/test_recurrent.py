@@ -97,3 +97,42 @@ def test_single_token_fast_path_matches_reference(shape):
     o_ref, S_ref = naive_recurrent_kda(q, k, d["v"], g, torch.sigmoid(d["beta"]), initial_state=x["initial_state"],
                                        output_final_state=True)
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(use_qk_l2norm_in_kernel=True),
+        dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),
+        dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True),
+        dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+    ],
+    ids=["plain", "l2norm", "neg-eigval", "bounded-gate", "gate-no-l2"],
+)
+def test_single_token_fast_path_options_and_gradients(opts):
+    """Every option combination of the T = 1 path (which folds the transforms into the step) equals the general
+    chunk path, values and gradients, including grouped value heads."""
+    raw = bool(opts)
+    x = make_inputs(B=3, T=1, H=2, HV=4, raw=raw, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    if opts.get("use_gate_in_kernel"):
+        opts = {**opts, "A_log": torch.randn(4, generator=gen), "dt_bias": torch.randn(4 * 32, generator=gen)}
+    if raw and not opts.get("use_gate_in_kernel"):
+        x["g"] = torch.nn.functional.logsigmoid(x["g"])
+    if raw and not opts.get("use_beta_sigmoid_in_kernel"):
+        x["beta"] = torch.sigmoid(x["beta"])
+    names = ("q", "k", "v", "g", "beta")
+
+    def run(fn):
+        leaves = {n: x[n].clone().requires_grad_() for n in names}
+        h0 = x["initial_state"].clone().requires_grad_()
+        o, S = fn(*(leaves[n] for n in names), initial_state=h0, output_final_state=True, **opts)
+        ((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + (S * S).sum()).backward()
+        return o, S, [leaves[n].grad for n in names] + [h0.grad]
+
+    o1, S1, g1 = run(fused_recurrent_kda)
+    o2, S2, g2 = run(chunk_kda)
+    assert rel_err(o1, o2) < 1e-5 and rel_err(S1, S2) < 1e-5
+    for name, a, b in zip((*names, "initial_state"), g1, g2):
+        assert rel_err(a, b) < 1e-4, name

@@ -7,6 +7,7 @@ Each is a small ``nn.Module`` whose parameter names are the checkpoint's; the KD
 from .activation import SiTUGLU, make_glu, silu_glu
 from .attn_res import AttnResState, depth_mix
 from .kda import KDAState, KimiDeltaAttention
+from .linear import Linear
 from .mla import LatentCache, NoPEMLA
 from .mlp import SwiGLUMLP
 from .moe import Expert, SigmoidTopKRouter, SparseMoE
@@ -23,6 +24,7 @@ __all__ = [
     "KDAState",
     "KimiDeltaAttention",
     "LatentCache",
+    "Linear",
     "NoPEMLA",
     "RMSNorm",
     "SigmoidTopKRouter",

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kda import KimiDeltaAttention
+from .linear import Linear
 
 
 class GatedDeltaNet(KimiDeltaAttention):
@@ -16,7 +17,7 @@ class GatedDeltaNet(KimiDeltaAttention):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4, eps: float = 1e-5) -> None:
         super().__init__(hidden_size, num_heads, head_dim, conv_size, eps)
-        self.f_b_proj = nn.Linear(head_dim, num_heads, bias=False)
+        self.f_b_proj = Linear(head_dim, num_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
 
     def forget_gate(self, f_a: torch.Tensor) -> tuple[torch.Tensor, dict]:

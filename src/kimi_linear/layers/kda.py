@@ -10,6 +10,8 @@ from torch import nn
 
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda
 
+from .context_parallel import ContextParallel
+from .linear import Linear, linear
 from .norm import GatedRMSNorm
 from .packing import PackedLinears
 
@@ -55,27 +57,27 @@ class KimiDeltaAttention(nn.Module):
         self.full_rank_gate = full_rank_gate
         self.hidden_size, self.num_heads, self.head_dim, self.conv_size = hidden_size, num_heads, head_dim, conv_size
         width = num_heads * head_dim
-        self.q_proj = nn.Linear(hidden_size, width, bias=False)
-        self.k_proj = nn.Linear(hidden_size, width, bias=False)
-        self.v_proj = nn.Linear(hidden_size, width, bias=False)
+        self.q_proj = Linear(hidden_size, width, bias=False)
+        self.k_proj = Linear(hidden_size, width, bias=False)
+        self.v_proj = Linear(hidden_size, width, bias=False)
         self.q_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
         self.k_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
         self.v_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
         # Low-rank forget gate (rank = head_dim), per-channel bias and per-head decay rate, both float32.
-        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.f_a_proj = Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = Linear(head_dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=torch.float32))
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.b_proj = Linear(hidden_size, num_heads, bias=False)
         if full_rank_gate:
             # K3: full-rank output gate.
-            self.g_proj = nn.Linear(hidden_size, width, bias=False)
+            self.g_proj = Linear(hidden_size, width, bias=False)
         else:
             # Low-rank output gate.
-            self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-            self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+            self.g_a_proj = Linear(hidden_size, head_dim, bias=False)
+            self.g_b_proj = Linear(head_dim, width, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps=eps)
-        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        self.o_proj = Linear(width, hidden_size, bias=False)
         self._pack: PackedLinears | None = None
         self._conv_cache: tuple | None = None
 
@@ -97,18 +99,27 @@ class KimiDeltaAttention(nn.Module):
             recurrent=torch.zeros(batch_size, H, d, d, dtype=torch.float32, device=device),
         )
 
-    def _conv(self, x: torch.Tensor, state: KDAState | None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    def _conv(
+        self, x: torch.Tensor, state: KDAState | None, pos: torch.Tensor | None = None,
+        prev: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Causal depthwise conv + SiLU over q|k|v. x: [B, T, 3*H*d] -> same shape; updates ``state.conv``.
 
         Computed time-major as W shifted multiply-adds: no transposes, and faster on CPU than a grouped conv1d.
         pos: [T] position of each token inside its packed document; a tap that would reach back past the
         document's start is dropped, so the window never crosses a boundary.
+        prev: [B, W-1, C] the inputs before x when they are not in ``state`` (context parallelism: the previous
+        rank's last inputs).
         """
         B, T, C = x.shape
         W = self.conv_size
         w = self._conv_weight(x.dtype)                                                         # [W, C]
-        past = state.conv if state is not None else x.new_zeros(B, W - 1, C)
-        full = torch.cat([past.to(x.dtype), x], dim=1)                                         # [B, W-1+T, C]
+        past = prev if prev is not None else state.conv if state is not None else x.new_zeros(B, W - 1, C)
+        full = torch.cat([past if past.dtype == x.dtype else past.to(x.dtype), x], dim=1)     # [B, W-1+T, C]
+        if state is not None and T == 1 and pos is None:
+            # Decode: one output is a W-tap dot product; the new window is a view of `full` (W rows, no copy).
+            state.conv = full[:, 1:]
+            return F.silu((full * w).sum(1, keepdim=True))
         if state is not None:
             state.conv = full[:, full.shape[1] - (W - 1) :].clone()
         if pos is not None:
@@ -152,6 +163,7 @@ class KimiDeltaAttention(nn.Module):
         state: KDAState | None = None,
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D].
 
@@ -161,6 +173,8 @@ class KimiDeltaAttention(nn.Module):
         padding_mask: [B, T] bool/int, 0 at padding. Padding inputs are zeroed, so with k = v = 0 they neither
             write into the memory nor into the conv window of later tokens: a left-padded row computes exactly what
             the same row computes alone.
+        context_parallel: x is this rank's piece of a sequence split along time (no state, no cu_seqlens): the conv
+            window reaches into the previous rank's last inputs and the memory starts from its final state.
         """
         B, T, _ = x.shape
         H, d = self.num_heads, self.head_dim
@@ -168,7 +182,7 @@ class KimiDeltaAttention(nn.Module):
             x = x * padding_mask[..., None].to(x.dtype)
         gate_w = H * d if self.full_rank_gate else d
         if self._pack is not None and self._pack.valid():
-            qkv, f_a, g_a, beta_raw = F.linear(x, self._pack.weight).split([3 * H * d, d, gate_w, H], dim=-1)
+            qkv, f_a, g_a, beta_raw = linear(x, self._pack.weight).split([3 * H * d, d, gate_w, H], dim=-1)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, g_a, beta_raw = self.f_a_proj(x), self._gate_in_proj()(x), self.b_proj(x)
@@ -176,9 +190,12 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
-        q, k, v = self._conv(qkv, state, pos).view(B, T, 3, H, d).unbind(2)
+        prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
+        q, k, v = self._conv(qkv, state, pos, prev).view(B, T, 3, H, d).unbind(2)
         g, gate_args = self.forget_gate(f_a)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
+        if context_parallel is not None:
+            kda = context_parallel.chunk_kda            # chunk_kda's contract; the state comes from rank - 1
         o, final = kda(
             q, k, v, g, beta_raw,
             scale=d**-0.5,

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context_parallel import ContextParallel
+from .linear import Linear
 from .norm import RMSNorm, upcast
 
 
@@ -71,18 +73,18 @@ class NoPEMLA(nn.Module):
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.scale = self.qk_dim**-0.5
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_dim, bias=False)
+            self.q_proj = Linear(hidden_size, num_heads * self.qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps=1e-6)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_dim, bias=False)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_dim, bias=False)
         self.q_lora_rank = q_lora_rank
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         if output_gate:
-            self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
+            self.g_proj = Linear(hidden_size, num_heads * v_head_dim, bias=False)
 
     @property
     def cache_width(self) -> int:
@@ -97,11 +99,14 @@ class NoPEMLA(nn.Module):
         x: torch.Tensor,
         cache: LatentCache | None = None,
         attn_mask: torch.Tensor | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D].
 
         cache: appended to in place when given. attn_mask: bool [B, 1, T, L] (True = may attend) over all L cached
             keys, or None for a plain causal mask with no past and no padding (the model builds it).
+        context_parallel: x is this rank's piece of a sequence split along time (no cache, no attn_mask): the
+            queries attend to the latents of every earlier rank and causally to their own.
         """
         B, T, _ = x.shape
         H = self.num_heads
@@ -114,6 +119,8 @@ class NoPEMLA(nn.Module):
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
         if cache is not None:
             entry = cache.append(entry)                                            # [B, L, 576]
+        if context_parallel is not None:
+            entry, attn_mask = context_parallel.gather_latents(entry)             # [B, offset + T, 576]
         if T == 1 and cache is not None:
             out = self._absorbed(q, entry, attn_mask)
         else:

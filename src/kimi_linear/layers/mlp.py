@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .activation import GLU, silu_glu
+from .linear import Linear
 from .packing import PackedLinears
 
 
@@ -17,9 +18,9 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, glu: GLU = silu_glu) -> None:
         super().__init__()
         self.glu = glu
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self._pack: PackedLinears | None = None
 
     def pack(self) -> None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .activation import GLU, silu_glu
+from .linear import Linear, linear
 from .mlp import SwiGLUMLP
 from .norm import RMSNorm, upcast
 from .packing import PackedLinears
@@ -20,21 +21,25 @@ class Expert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, glu: GLU = silu_glu) -> None:
         super().__init__()
         self.glu = glu
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w1 = Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = Linear(hidden_size, intermediate_size, bias=False)
         self._pack: PackedLinears | None = None
 
     def pack(self) -> None:
         """Pack w1 and w3 (both read x) into one matrix; see ``PackedLinears``."""
         self._pack = PackedLinears([self.w1, self.w3])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """``glu(w1 x, w3 x)``: [..., D] -> [..., intermediate]."""
         if self._pack is not None and self._pack.valid():
-            gate, up = F.linear(x, self._pack.weight).chunk(2, dim=-1)
+            gate, up = linear(x, self._pack.weight).chunk(2, dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)
-        return F.linear(self.glu(gate, up), self.w2.weight)
+        return self.glu(gate, up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self.hidden(x), self.w2.weight)
 
 
 class SigmoidTopKRouter(nn.Module):
@@ -70,7 +75,7 @@ class SigmoidTopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
         scores = F.linear(upcast(x), upcast(self.weight)).sigmoid()
-        choice = scores + self.e_score_correction_bias.to(scores.dtype)
+        choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             # Group-limited routing (DeepSeek-V3 style): keep the topk_group groups whose two best experts score
             # highest, then choose the top-k experts inside them.
@@ -82,8 +87,8 @@ class SigmoidTopKRouter(nn.Module):
         idx = choice.topk(self.top_k, dim=-1)[1]
         w = scores.gather(1, idx)
         if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.routed_scaling_factor, idx
+            w = w / w.sum(-1, keepdim=True).add_(1e-20)
+        return (w * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else w), idx
 
 
 class SparseMoE(nn.Module):
@@ -118,8 +123,8 @@ class SparseMoE(nn.Module):
         self.latent_size = latent_size
         width = latent_size or hidden_size
         if latent_size is not None:
-            self.routed_expert_down_proj = nn.Linear(hidden_size, latent_size, bias=False)
-            self.routed_expert_up_proj = nn.Linear(latent_size, hidden_size, bias=False)
+            self.routed_expert_down_proj = Linear(hidden_size, latent_size, bias=False)
+            self.routed_expert_up_proj = Linear(latent_size, hidden_size, bias=False)
             self.routed_expert_norm = RMSNorm(latent_size, eps) if latent_norm else None
         self.experts = nn.ModuleList(Expert(width, moe_intermediate_size, glu) for _ in range(num_experts))
         self.shared_experts = (
@@ -133,12 +138,10 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
         z = flat if self.latent_size is None else self.routed_expert_down_proj(flat)      # [N, D or latent]
-        out = torch.zeros_like(z)
         if flat.shape[0] == 1:
-            # Decode: one token, k experts; skip the sort / bincount machinery (pure overhead at this size).
-            for e, w in zip(idx[0].tolist(), weights[0].unbind()):
-                out.add_((self.experts[e](z) * w).to(out.dtype))
+            out = self._one_token(z, weights, idx)
         else:
+            out = torch.zeros_like(z)
             self._dispatch(z, weights, idx, out)
         if self.latent_size is not None:
             if self.routed_expert_norm is not None:
@@ -147,6 +150,17 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+    def _one_token(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Decode: z [1, W] through its k experts, no sort / bincount machinery (pure overhead at this size).
+        Each down projection accumulates into the sum in place, scaled by its routing weight (decoding is bound
+        by per-op overhead)."""
+        out = None
+        for e, w in zip(idx[0].tolist(), weights[0].tolist()):
+            expert = self.experts[e]
+            y = linear(expert.hidden(z), expert.w2.weight)
+            out = y.mul_(w) if out is None else out.add_(y, alpha=w)
+        return out
 
     def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Add every token's weighted expert outputs into ``out`` [N, W] (W = expert width: D, or the latent);

@@ -9,8 +9,9 @@ from torch import nn
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """x in float32, or float64 when it already is (so float64 reference runs stay float64 end to end; for
-    float32 / bf16 / fp16 this is exactly ``x.float()``)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    float32 / bf16 / fp16 this is exactly ``x.float()``). A tensor that already is float32/64 comes back without
+    a call: decoding pays a few microseconds per op, and norms run several times per layer."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +29,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden_size] -> same shape and dtype."""
         # F.rms_norm is the same formula (x * rsqrt(mean(x^2) + eps)) in one fused op: decoding is dominated by
-        # per-op overhead, and a norm runs twice per layer.
+        # per-op overhead, and a norm runs twice per layer. When nothing is cast, the weight goes in too.
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         return self.weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -49,7 +52,8 @@ class GatedRMSNorm(nn.Module):
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o, gate: [..., H, d] -> [..., H, d] in o's dtype."""
         of = F.rms_norm(upcast(o), (o.shape[-1],), upcast(self.weight), eps=self.eps)
-        return (of * torch.sigmoid(upcast(gate))).to(o.dtype)
+        y = of * torch.sigmoid(upcast(gate))
+        return y if y.dtype == o.dtype else y.to(o.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -10,8 +10,9 @@ and callers fall back to the separate projections.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .linear import linear
 
 
 class PackedLinears:
@@ -46,5 +47,5 @@ class PackedLinears:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.valid():
-            return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
+            return list(linear(x, self.weight).split(self.sizes, dim=-1))
         return [lin(x) for lin in self.linears]

@@ -16,6 +16,7 @@ from kimi_linear.layers import (
     KDAState,
     KimiDeltaAttention,
     LatentCache,
+    Linear,
     NoPEMLA,
     RMSNorm,
     SparseMoE,
@@ -23,6 +24,7 @@ from kimi_linear.layers import (
     depth_mix,
     make_glu,
 )
+from kimi_linear.layers.context_parallel import ContextParallel
 
 from .cache import HybridCache
 from .config import k3_options, validate_config
@@ -102,6 +104,7 @@ class KimiLinearDecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None = None,
         attn_res_blocks: list[torch.Tensor] | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor | tuple[list[torch.Tensor], torch.Tensor]:
         """x: hidden [B, T, D] -> [B, T, D].
 
@@ -110,10 +113,10 @@ class KimiLinearDecoderLayer(nn.Module):
         in and out, so module hooks -- FSDP2's unsharding for forward and backward -- work as for any layer.)"""
         if attn_res_blocks is not None:
             state = self.forward_attn_res(AttnResState(x, attn_res_blocks), cache, padding_mask, attn_mask,
-                                          cu_seqlens)
+                                          cu_seqlens, context_parallel)
             assert state.partial is not None
             return state.blocks, state.partial
-        h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens)
+        h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
         x = x + h
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return x + ffn(self.post_attention_layernorm(x))
@@ -121,10 +124,13 @@ class KimiLinearDecoderLayer(nn.Module):
     def _attn(
         self, h: torch.Tensor, cache: KDAState | LatentCache | None, padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
+        # Passed only when set, so a swapped-in mixer (Gated DeltaNet) need not know the argument.
+        cp = {} if context_parallel is None else {"context_parallel": context_parallel}
         if self.is_kda:
-            return self.self_attn(h, cache, padding_mask, cu_seqlens)
-        return self.self_attn(h, cache, attn_mask)
+            return self.self_attn(h, cache, padding_mask, cu_seqlens, **cp)
+        return self.self_attn(h, cache, attn_mask, **cp)
 
     def forward_attn_res(
         self,
@@ -133,6 +139,7 @@ class KimiLinearDecoderLayer(nn.Module):
         padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> AttnResState:
         """Block AttnRes form of the layer (see :mod:`kimi_linear.layers.attn_res`); updates ``state`` in place.
 
@@ -143,7 +150,7 @@ class KimiLinearDecoderLayer(nn.Module):
         h = depth_mix(state.sources(), self.attn_res_proj, self.attn_res_norm)
         if self.starts_block:
             state.start_block()
-        state.add(self._attn(self.input_layernorm(h), cache, padding_mask, attn_mask, cu_seqlens))
+        state.add(self._attn(self.input_layernorm(h), cache, padding_mask, attn_mask, cu_seqlens, context_parallel))
         h = depth_mix(state.sources(), self.mlp_res_proj, self.mlp_res_norm)
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         state.add(ffn(self.post_attention_layernorm(h)))
@@ -170,16 +177,18 @@ class KimiLinearModel(nn.Module):
     def run_layers(
         self, x: torch.Tensor, caches: list | None, padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
         """Embedded x [B, T, D] through every decoder layer -> hidden [B, T, D] before the final norm."""
         if not self.attn_res:
             for i, layer in enumerate(self.layers):
-                x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens)
+                x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens,
+                          context_parallel=context_parallel)
             return x
         blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             blocks, x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens,
-                              attn_res_blocks=blocks)
+                              attn_res_blocks=blocks, context_parallel=context_parallel)
         return depth_mix([*blocks, x], self.output_attn_res_proj, self.output_attn_res_norm)
 
 
@@ -213,7 +222,7 @@ class KimiLinearForCausalLM(nn.Module):
         super().__init__()
         self.config = validate_config(config)
         self.model = KimiLinearModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.optimize_layout()
 
     # ----------------------------------------------------------------------------------------------- properties
@@ -315,14 +324,23 @@ class KimiLinearForCausalLM(nn.Module):
         cache: HybridCache | None = None,
         logits_to_keep: int = 0,
         cu_seqlens: torch.Tensor | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> CausalLMOutput:
         """input_ids: [B, T]; attention_mask: [B, T] or [B, past+T], 1 = token, 0 = (left) padding;
         cache: continued and updated in place when given. Returns logits [B, T, vocab] in float32 if the model is
         float32, else in the model dtype (only the last ``logits_to_keep`` positions when > 0).
 
         cu_seqlens: [N+1] offsets of documents packed into one row (``B == 1``, no cache, no attention_mask), as in
-        training on packed text: no KDA memory, conv window or attention crosses a document boundary."""
+        training on packed text: no KDA memory, conv window or attention crosses a document boundary.
+
+        context_parallel: input_ids [B, T] is this rank's piece of rows split along time across a process group
+        (see :mod:`kimi_linear.model.context_parallel`); every rank of the group must call forward together."""
         input_ids = self._check_input_ids(input_ids)
+        if context_parallel is not None:
+            from .context_parallel import forward_context_parallel
+
+            return forward_context_parallel(self, input_ids, context_parallel, attention_mask=attention_mask,
+                                            cache=cache, cu_seqlens=cu_seqlens, logits_to_keep=logits_to_keep)
         B, T = input_ids.shape
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, cu_seqlens, cache, attention_mask, logits_to_keep)

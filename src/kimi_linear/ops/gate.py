@@ -9,6 +9,14 @@ import torch.nn.functional as F
 
 from .checks import check_gate_params
 
+# fla's in-kernel l2norm epsilon: x / sqrt(sum(x^2) + eps).
+L2NORM_EPS = 1e-6
+
+
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` without the call when x already is float32 (decode steps pay per call)."""
+    return x if x.dtype == torch.float32 else x.float()
+
 
 def fused_kda_gate(
     g: torch.Tensor,
@@ -27,18 +35,18 @@ def fused_kda_gate(
         raise ValueError(f"`g` must be [..., HV, K], got shape {tuple(g.shape)}")
     HV, K = g.shape[-2:]
     check_gate_params(HV, K, A_log, dt_bias, lower_bound)
-    x = g.float()
+    x = as_float32(g)
     if dt_bias is not None:
-        x = x + dt_bias.float().reshape(HV, K)
-    a = A_log.float().reshape(HV, 1).exp()
+        x = x + as_float32(dt_bias).reshape(HV, K)
+    a = as_float32(A_log).reshape(HV, 1).exp()
     if lower_bound is None:
         return -a * F.softplus(x)
     return lower_bound * torch.sigmoid(a * x)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dimension, computed in float32 (fla's in-kernel l2norm)."""
-    xf = x.float()
+    xf = as_float32(x)
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
@@ -54,6 +62,12 @@ class KernelOptions:
     dt_bias: torch.Tensor | None = None
     lower_bound: float | None = None
 
+    def __post_init__(self) -> None:
+        if not self.use_gate_in_kernel and (
+            self.A_log is not None or self.dt_bias is not None or self.lower_bound is not None
+        ):
+            raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
+
     def kwargs(self) -> dict:
         """As keyword arguments of the public functions (how a backend receives them)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -68,6 +82,4 @@ class KernelOptions:
             beta = torch.sigmoid(beta.float()) * (2 if self.allow_neg_eigval else 1)
         if self.use_gate_in_kernel:
             g = fused_kda_gate(g, self.A_log, self.dt_bias, self.lower_bound)
-        elif self.A_log is not None or self.dt_bias is not None or self.lower_bound is not None:
-            raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
         return q, k, g, beta

@@ -7,7 +7,7 @@ import torch
 from .backend import triton_op
 from .checks import check_kda_inputs
 from .chunk import compute_dtype
-from .gate import KernelOptions
+from .gate import L2NORM_EPS, KernelOptions, as_float32, fused_kda_gate
 from .layout import SequenceLayout, expand_heads
 
 
@@ -23,24 +23,46 @@ def recurrent_step(
     return o, S
 
 
+def _inv_norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x [M, 1, K] -> 1 / sqrt(sum(x^2) + eps) as [M, 1, 1] (the sum of squares as one batched dot product)."""
+    return torch.rsqrt(torch.bmm(x, x.transpose(1, 2)).add_(eps))
+
+
 def single_token_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    S: torch.Tensor,
+    S: torch.Tensor, opts: KernelOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode step with the fewest kernel calls: q, k [N, H, K] (heads already expanded), v [N, H, V],
-    g [N, H, K] float32 log decay, beta [N, H] float32, S [N, H, K, V] float32 (not modified).
-    Returns (o [N, H, V] float32, S_new).
+    """The decode step with the fewest kernel calls, taking q, k [N, H, K], v [N, HV, V], g [N, HV, K] and
+    beta [N, HV] *before* the in-kernel transforms of ``opts``; S [N, HV, K, V] float32 (not modified).
+    Returns (o [N, HV, V] float32, S_new [N, HV, K, V]).
 
-    On CPU a decode step is bound by per-call overhead, not arithmetic, so the delta-rule update is two fused
-    ``baddbmm`` calls on [N*H]-batched matrices."""
-    N, H, K = k.shape
-    V = v.shape[-1]
-    S = (S * g.exp().unsqueeze(-1)).view(N * H, K, V)                                    # forget
-    k3 = k.float().reshape(N * H, 1, K)
-    err = torch.baddbmm(v.float().reshape(N * H, 1, V), k3, S, alpha=-1)                 # v - S^T k
-    S = torch.baddbmm(S, (k3 * beta.reshape(N * H, 1, 1)).transpose(1, 2), err)          # + beta k err^T
-    o = torch.bmm(q.float().reshape(N * H, 1, K), S).view(N, H, V) * scale
-    return o, S.view(N, H, K, V)
+    On CPU a decode step is bound by per-call overhead (a few microseconds an op), not arithmetic, so the math of
+    the general path is rearranged into ~20 ops on [N*HV]-batched matrices. The l2 norms of q and k are
+    per-(sequence, head) scalars r, applied after the products instead of before: with k_hat = r_k k,
+    ``k_hat^T S = r_k (k^T S)`` and ``beta k_hat err^T = (beta r_k) k err^T``, and ``o = r_q scale (q^T S)``.
+    """
+    N, HV, V = v.shape
+    K = k.shape[-1]
+    M = N * HV
+    if q.shape[1] != HV:  # grouped values: value head j reads q/k head j // (HV // H)
+        q, k = q.repeat_interleave(HV // q.shape[1], dim=1), k.repeat_interleave(HV // k.shape[1], dim=1)
+    q3, k3 = as_float32(q).reshape(M, 1, K), as_float32(k).reshape(M, 1, K)
+    log_decay = fused_kda_gate(g, opts.A_log, opts.dt_bias, opts.lower_bound) if opts.use_gate_in_kernel else g
+    S = (S * as_float32(log_decay).exp().unsqueeze(-1)).view(M, K, V)                    # forget
+    b = as_float32(beta).reshape(M, 1, 1)
+    if opts.use_beta_sigmoid_in_kernel:
+        b = torch.sigmoid(b) * 2 if opts.allow_neg_eigval else torch.sigmoid(b)
+    kS = torch.bmm(k3, S)                                                                 # [M, 1, V] k^T S
+    v3 = as_float32(v).reshape(M, 1, V)
+    if opts.use_qk_l2norm_in_kernel:
+        r_k = _inv_norm(k3)                                                               # [M, 1, 1]
+        err = torch.addcmul(v3, r_k, kS, value=-1)                                        # v - k_hat^T S
+        S = torch.baddbmm(S, (k3 * (b * r_k)).transpose(1, 2), err)                       # + beta k_hat err^T
+        o = torch.bmm(q3, S) * (_inv_norm(q3) * scale)
+    else:
+        S = torch.baddbmm(S, (k3 * b).transpose(1, 2), v3 - kS)
+        o = torch.bmm(q3, S) * scale
+    return o.view(N, HV, V), S.view(N, HV, K, V)
 
 
 def fused_recurrent_kda(
@@ -78,14 +100,13 @@ def fused_recurrent_kda(
         return fast(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                     cu_seqlens=cu_seqlens, state_indices=state_indices, **opts.kwargs())
     out_dtype = q.dtype
-    q, k, g, beta = opts.apply(q, k, g, beta)
     if s.T == 1 and cu_seqlens is None and q.dtype != torch.float64:
-        # One token per sequence (decode): no layout work, no loop.
+        # One token per sequence (decode): no layout work, no loop, transforms folded in.
         S0 = initial_state[state_indices] if state_indices is not None else initial_state
         S0 = q.new_zeros(s.N, s.HV, s.K, s.V, dtype=torch.float32) if S0 is None else S0
-        q, k = expand_heads(q, s.HV), expand_heads(k, s.HV)
-        o, S = single_token_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0].float(), beta[:, 0].float(), scale, S0)
+        o, S = single_token_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], scale, S0, opts)
         return _finish(o.unsqueeze(1).to(out_dtype), S, initial_state, state_indices, output_final_state)
+    q, k, g, beta = opts.apply(q, k, g, beta)
     dtype = compute_dtype(q)
     layout = SequenceLayout(s.B, s.T, cu_seqlens, 1, q.device)
     rows = lambda x: layout.to_rows(x.to(dtype))                          # [N, L, ...]
