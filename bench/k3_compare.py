@@ -62,8 +62,20 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="run only these variants")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="directory for results.json (required unless --report)")
+    p.add_argument("--report", nargs="+", metavar="DIR",
+                   help="only print the combined table of runs saved in these directories (e.g. one per variant, "
+                        "run as parallel processes with --only)")
     a = p.parse_args()
+    if a.report:
+        results = {}
+        for d in a.report:
+            with open(os.path.join(d, "results.json"), encoding="utf-8") as f:
+                results.update(json.load(f)["results"])
+        print_table(results)
+        return
+    if not a.out:
+        p.error("--out is required (or --report)")
     os.makedirs(a.out, exist_ok=True)
 
     train_files, eval_files = split_files(stdlib_files())
@@ -95,6 +107,11 @@ def main() -> None:
               flush=True)
     with open(os.path.join(a.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(dict(args=vars(a), results=results), f, indent=2)
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    """Markdown table: held-out loss at each evaluation step, final train loss, parameters, seconds."""
     steps = sorted({s for r in results.values() for s, _ in r["evals"]})
     print("| variant | params | " + " | ".join(f"held-out @ {s}" for s in steps) + " | train loss | seconds |")
     print("|---|---|" + "---|" * len(steps) + "---|---|")
