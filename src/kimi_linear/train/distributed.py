@@ -9,6 +9,10 @@
 - Checkpoints: ``torch.distributed.checkpoint`` (DCP) writes each rank's shards with the global layout, so a run
   saved on N ranks loads on M ranks; rank 0 also exports the full model in the SPEC section 4 format for
   ``kimi-linear generate``, transformers and vLLM.
+- Context parallel (``--context-parallel C``): consecutive blocks of C ranks each split every row along time
+  (:class:`ContextParallelSource`, :mod:`kimi_linear.model.context_parallel`); the blocks are data parallel. FSDP2
+  still shards over all ranks; :class:`ContextParallelTrainer` scales each rank's loss so that FSDP's average over
+  ranks is the whole batch's mean loss.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from .trainer import BatchSource
+from kimi_linear.layers.context_parallel import ContextParallel
+
+from .tasks import IGNORE
+from .trainer import BatchSource, Trainer, forward_logits
 
 DCP_DIR = "dcp"
 
@@ -77,6 +85,92 @@ class ShardedSource:
 
     def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.source.eval_batches()
+
+
+class ContextParallelSource:
+    """Batches for ranks that are context parallel inside a group and data parallel across groups: rows
+    ``dp_rank::dp_world`` of every training batch, and of each row this rank's contiguous piece along time
+    (``cp.split``), plus ``loss_scale`` (see :class:`ContextParallelTrainer`). Evaluation batches are whole rows:
+    :func:`~kimi_linear.model.context_parallel.enable_context_parallel` runs eval-mode forwards unsplit."""
+
+    def __init__(self, source: BatchSource, cp: ContextParallel, dp_rank: int = 0, dp_world: int = 1) -> None:
+        self.source, self.cp, self.dp_rank, self.dp_world = source, cp, dp_rank, dp_world
+
+    def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        full = self.source.batch(step, micro)
+        if "cu_seqlens" in full:
+            raise ValueError("packed (cu_seqlens) batches cannot be split along time: context parallelism trains on "
+                             "whole [B, T] rows (e.g. `--task`), not on packed documents")
+        B = full["input_ids"].shape[0]
+        if B % self.dp_world:
+            raise ValueError(f"batch size {B} is not divisible by the {self.dp_world} data-parallel replicas")
+        labelled = int((full["labels"] != IGNORE).sum())
+        piece = {k: self.cp.split(v[self.dp_rank :: self.dp_world]) for k, v in full.items()}
+        piece["loss_scale"] = torch.tensor(self.dp_world * self.cp.world / max(1, labelled))
+        return piece
+
+    def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self.source.eval_batches()
+
+
+class ContextParallelTrainer(Trainer):
+    """A :class:`Trainer` whose loss is normalised by the labelled tokens of the whole global batch.
+
+    A piece of a row may hold any share of its labels (MQAR's queries all sit at the end of the row), so each
+    rank's mean over its own labels, averaged over ranks by FSDP, would weight pieces instead of tokens (and be 0/0
+    on a piece with none). Here rank r's loss is ``sum(CE over its labels) * loss_scale`` with ``loss_scale = world
+    / N``, N the labelled tokens of the global batch (every rank builds the whole batch, so N needs no
+    communication): FSDP's average over the ranks is the whole batch's mean, as one process computes it, and so is
+    the reported loss. Otherwise this is :meth:`Trainer.train_step` (kept in step with it).
+    """
+
+    def train_step(self) -> dict[str, float]:
+        c = self.config
+        self.model.train()
+        lr = self.lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        autocast = self.device.type == "cuda" and c.bf16
+        loss_sum, tokens = 0.0, 0
+        for micro in range(c.grad_accum):
+            batch = {k: v.to(self.device) for k, v in self.source.batch(self.step, micro).items()}
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                logits = forward_logits(self.model, batch)
+            ce = F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(), ignore_index=IGNORE,
+                                 reduction="sum")
+            loss = ce * batch["loss_scale"]
+            (loss / c.grad_accum).backward()
+            loss_sum += loss.item()
+            tokens += batch["input_ids"].numel()
+        total = torch.tensor(loss_sum, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        loss_sum = total.item() / dist.get_world_size()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        record = {"step": self.step, "loss": loss_sum / c.grad_accum, "grad_norm": grad_norm, "lr": lr,
+                  "tokens": tokens}
+        if self.routers is not None:
+            kw = {"rate": c.balance_rate} if c.balance == "sign" else {"damping": c.balance_damping}
+            record["expert_load_max_over_mean"] = self.routers.update(c.balance, **kw)
+        self.history.append(record)
+        return record
+
+
+def checkpoint_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Activation checkpointing per decoder layer (non-reentrant): the forward keeps only each layer's inputs and
+    the backward recomputes the layer. Call before :func:`shard_model`, so FSDP2 gathers the weights around the
+    recomputation too. Parameter names are unchanged (the layer's ``forward`` is wrapped, not the module)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        def forward(*args, _inner=layer.forward, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+    return model
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
