@@ -266,7 +266,7 @@ def profile_chunk() -> None:
                                          **opts(x, False))[0]
         for form, iw, ds in (("split", 8, 16), ("split", 4, 16), ("fused", 4, 16)):
             run = lambda st="both", form=form, iw=iw, ds=ds: chunk_kda_fwd(
-                *args5(x), D ** -0.5, None, True, o_, None, intra_warps=iw, diag_slice=ds, stages=st, intra=form)
+                *args5(x), D ** -0.5, None, True, o_, None, intra_warps=iw, diag_slice=ds, stages=st, impl=form)
             with Poison():
                 err = rel(run()[0], refs[B]) if B in refs else float("nan")
             t_all, t_intra = median_ms(run, 30), median_ms(lambda: run("intra"), 30)

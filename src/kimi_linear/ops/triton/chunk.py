@@ -1,11 +1,20 @@
-"""Triton ``chunk_kda``: the chunkwise forward in two kernels (chunk_intra.py, then chunk_scan.py).
+"""Triton ``chunk_kda``.
 
-Backward: not yet a Triton kernel. A differentiable call runs the Triton forward and, in backward, recomputes the
-forward with the PyTorch chunkwise path and differentiates that (correct, and it holds no per-chunk state between
-forward and backward; not fast).
+Forward implementations (``impl``; the default is ``KIMI_LINEAR_CHUNK_IMPL`` from the environment, else
+"pipeline"):
+
+- "pipeline": five small kernels with bounded register use (chunk_pipeline.py: gate sums, scores, inverse + WY,
+  state scan, output).
+- "fused" / "split": the first Triton forward, kept selectable until the GPU numbers decide between them: part 1
+  in one kernel (chunk_intra.py) or two (chunk_split.py), then a scan that also writes the output (chunk_scan.py).
+
+Backward: a differentiable call runs the Triton forward and, in backward, recomputes the forward with the PyTorch
+chunkwise path and differentiates that (correct, and it holds no per-chunk state between forward and backward).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -14,11 +23,20 @@ from ..checks import KDAShape, check_gate_params
 from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
 from .chunk_intra import chunk_kda_fwd_intra_kernel
+from .chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_fwd_pipeline
 from .chunk_scan import chunk_kda_fwd_scan_kernel
 from .chunk_split import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
 BT = 64        # chunk size
 BC = 16        # sub-block inside a chunk
+IMPLS = ("pipeline", "fused", "split")
+
+
+def default_impl() -> str:
+    impl = os.environ.get("KIMI_LINEAR_CHUNK_IMPL", "pipeline")
+    if impl not in IMPLS:
+        raise ValueError(f"KIMI_LINEAR_CHUNK_IMPL must be one of {IMPLS}, got {impl!r}")
+    return impl
 
 
 def _varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -39,14 +57,23 @@ def chunk_kda_fwd(
     initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
     cu_seqlens: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, intra_warps: int = 4, diag_slice: int = 16, stages: str = "both",
-    intra: str = "fused",
+    impl: str | None = None, cfg: LaunchConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None).
 
-    Launch-shape knobs for benchmarks: ``block_v``, ``num_warps``, ``num_stages`` (scan kernel), ``intra_warps``
-    and ``diag_slice`` (intra kernel: 0 = diagonal blocks column by column, 16/32 = all pairs at once over slices
-    of that many key channels); ``stages`` = "intra" or "scan" runs one kernel alone (timing only).
+    ``impl``: "pipeline" (launch shapes in ``cfg``), or the first forward's part 1 as one kernel ("fused") or two
+    ("split"). None: :func:`default_impl`.
+
+    Launch-shape knobs of the first forward, for benchmarks: ``block_v``, ``num_warps``, ``num_stages`` (scan
+    kernel), ``intra_warps`` and ``diag_slice`` (intra kernel: 0 = diagonal blocks column by column, 16/32 = all
+    pairs at once over slices of that many key channels); ``stages`` = "intra" or "scan" runs one kernel alone.
     """
+    impl = impl or default_impl()
+    if impl == "pipeline":
+        return chunk_kda_fwd_pipeline(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens,
+                                      cfg)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -78,7 +105,7 @@ def chunk_kda_fwd(
     dummy = o
     A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
     dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
-    if NT > 0 and stages != "scan" and intra == "split":
+    if NT > 0 and stages != "scan" and impl == "split":
         varlen = dict(cu_seqlens=cu_seqlens if cu_seqlens is not None else dummy,
                       chunk_indices=chunk_indices if chunk_indices is not None else dummy)
         flags = dict(IS_VARLEN=cu_seqlens is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,

@@ -1,0 +1,223 @@
+"""Device helpers shared by the kernels of the chunk pipeline (chunk_prepare.py, chunk_wy.py, chunk_state.py,
+chunk_bwd.py): chunk coordinates, gate sums, products, the unit-lower-triangular inverse.
+
+Gate representation. The prepare kernel stores ``gP``: the transformed log gate summed from the start of its 16-row
+sub-block through the row (inclusive), float32. Every decay exponent the pipeline needs is built from ``gP`` and the
+sub-block totals ``tot_M`` (``gP`` at the last valid row of sub-block M) as a *sum of non-positive terms*:
+
+    G_i       = gP_i + sum_{M < I} tot_M                     chunk prefix (row i in sub-block I)
+    G_C - G_j = (tot_J - gP_j) + sum_{M > J} tot_M           chunk suffix after row j
+    G_r - G_j = (tot_J - gP_j) + sum_{J < M < I} tot_M       from row j to r, the row before sub-block I
+
+so with a gate of -1000 every factor that should vanish underflows to an exact 0 and nothing overflows. The only
+differences of sums are ``tot_J - gP_j`` and, inside a diagonal 16x16 block, ``gP_i - gP_j``: sums over at most
+15 steps, never over the whole chunk, which keeps float32 rounding of large cumulative gates out of the factors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Triton's interpreter (TRITON_INTERPRET=1, how the tests run on CPU) multiplies bfloat16 dot operands as their raw
+# uint16 bit patterns; on the GPU a bf16 dot is exact products with float32 accumulation, which is what widening
+# the operands to float32 first computes.
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+BT = 64                 # chunk length
+BC = 16                 # sub-block length; BT // BC = 4 sub-blocks per chunk
+# |gP| below this on a 16-row block: exp(gP) and exp(-gP) (<= 1.2e26) both fit float32 with room for a dot product.
+SAFE_EXP: tl.constexpr = tl.constexpr(60.0)
+
+
+@triton.jit
+def cast(b_x, dtype: tl.constexpr):
+    """``b_x.to(dtype)``, rounding to nearest even. Under the interpreter float32 -> bfloat16 truncates (twice the
+    hardware's error, and biased), so there the rounding is done on the bits first."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            if b_x.dtype == tl.float32:
+                b_u = b_x.to(tl.uint32, bitcast=True)
+                b_u = (b_u + 0x7FFF + ((b_u >> 16) & 1)) & 0xFFFF0000
+                b_x = b_u.to(tl.float32, bitcast=True)
+    return b_x.to(dtype)
+
+
+@triton.jit
+def tf32_operand(b_x):
+    """What a tf32 tensor-core product sees of a float32 operand: the low 13 mantissa bits dropped (interpreter
+    only: there tl.dot multiplies in full float32, which would hide tf32's error from the tests)."""
+    return (b_x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mm(b_a, b_b, PREC: tl.constexpr):
+    """``b_a @ b_b`` with float32 accumulation. ``b_b`` is converted to ``b_a``'s dtype; 16-bit operands go to the
+    tensor cores as they are, float32 operands use ``PREC`` ("tf32" or "ieee"). Under the interpreter the same
+    numbers are formed explicitly (its bf16 dot is broken and its tf32 is exact float32)."""
+    if b_a.dtype == tl.float32:
+        b_b = b_b.to(tl.float32)
+    else:
+        b_b = cast(b_b, b_a.dtype)
+    if INTERPRET:
+        b_a32 = b_a.to(tl.float32)
+        b_b32 = b_b.to(tl.float32)
+        if b_a.dtype == tl.float32:
+            if PREC == "tf32":
+                b_a32 = tf32_operand(b_a32)
+                b_b32 = tf32_operand(b_b32)
+        return tl.dot(b_a32, b_b32, input_precision="ieee")
+    if b_a.dtype == tl.float32:
+        return tl.dot(b_a, b_b, input_precision=PREC)
+    return tl.dot(b_a, b_b)
+
+
+@triton.jit
+def chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN: tl.constexpr):
+    """Flat chunk index -> (sequence i_n, chunk within it i_t, first token bos, sequence length T_n), int64."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        i_n = (i_c // NT).to(tl.int64)
+        i_t = (i_c % NT).to(tl.int64)
+        bos = i_n * T
+        T_n = bos * 0 + T                                                   # as an int64 tensor, like varlen
+    return i_n, i_t, bos, T_n
+
+
+@triton.jit
+def seq_coords(i_n, cu_seqlens, chunk_offsets, T, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """Sequence index -> (first token bos, length T_n, flat index of its first chunk), int64."""
+    i_n = i_n.to(tl.int64)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_n = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        c_first = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        T_n = bos * 0 + T
+        c_first = i_n * tl.cdiv(T, BT)
+    return bos, T_n, c_first
+
+
+@triton.jit
+def load_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: tl.constexpr):
+    """Rows r0 .. r0 + BR (within the sequence) of a ``[*, NH, W]`` tensor at columns o_c, in its own dtype; zero
+    past T_n or W."""
+    o_r = r0 + tl.arange(0, BR)
+    m = (o_r < T_n)[:, None] & (o_c < W)[None, :]
+    return tl.load(p + ((bos + o_r) * NH + i_h)[:, None] * W + o_c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def store_rows(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: tl.constexpr):
+    """Store ``b_x [BR, len(o_c)]`` into rows r0 .. of a ``[*, NH, W]`` tensor (rows past T_n skipped)."""
+    o_r = r0 + tl.arange(0, BR)
+    m = (o_r < T_n)[:, None] & (o_c < W)[None, :]
+    tl.store(p + ((bos + o_r) * NH + i_h)[:, None] * W + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def store_cols(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, m_c, BR: tl.constexpr):
+    """:func:`store_rows` restricted to the columns where ``m_c`` holds."""
+    o_r = r0 + tl.arange(0, BR)
+    m = (o_r < T_n)[:, None] & (m_c & (o_c < W))[None, :]
+    tl.store(p + ((bos + o_r) * NH + i_h)[:, None] * W + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def load_row_scalars(p, bos, r0, T_n, i_h, NH: tl.constexpr, BR: tl.constexpr):
+    """Rows r0 .. r0 + BR of a ``[*, NH]`` tensor as float32 (zero past T_n)."""
+    o_r = r0 + tl.arange(0, BR)
+    return tl.load(p + (bos + o_r) * NH + i_h, mask=o_r < T_n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_norms(rq, rk, bos, r0, T_n, i_h, H: tl.constexpr, BR: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """Inverse row norms of q and k (l2norm), [BR] each; ones without l2norm."""
+    if USE_QK_L2NORM:
+        b_rq = load_row_scalars(rq, bos, r0, T_n, i_h, H, BR)
+        b_rk = load_row_scalars(rk, bos, r0, T_n, i_h, H, BR)
+    else:
+        b_rq = tl.full([BR], 1.0, dtype=tl.float32)
+        b_rk = tl.full([BR], 1.0, dtype=tl.float32)
+    return b_rq, b_rk
+
+
+@triton.jit
+def load_beta(beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BR: tl.constexpr, USE_SIGMOID: tl.constexpr,
+              NEG_EIGVAL: tl.constexpr):
+    """beta of rows r0 .. r0 + BR after the in-kernel transform, float32, zero past T_n."""
+    b_b = load_row_scalars(beta, bos, r0, T_n, i_hv, HV, BR)
+    if USE_SIGMOID:
+        b_b = tl.sigmoid(b_b)
+        if NEG_EIGVAL:
+            b_b = 2.0 * b_b
+    return tl.where(r0 + tl.arange(0, BR) < T_n, b_b, 0.0)
+
+
+@triton.jit
+def sub_block_total(gP, bos, t0, M, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
+    """``tot_M``: the gate summed over sub-block M of the chunk starting at t0 ([len(o_k)], float32), i.e. gP at
+    the sub-block's last valid row; zero when the sub-block starts at or past T_n."""
+    r = tl.minimum(t0 + M * BC + BC - 1, T_n - 1)
+    b_t = tl.load(gP + ((bos + r) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
+    return tl.where(t0 + M * BC < T_n, b_t, 0.0)
+
+
+@triton.jit
+def between_total(gP, bos, t0, J, I, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr,
+                  BKS: tl.constexpr):
+    """Sum of tot_M over J < M < I, [BKS] (a plain sum of non-positive vectors; zero when I <= J + 1)."""
+    b_s = tl.zeros([BKS], dtype=tl.float32)
+    for M in range(J + 1, I):
+        b_s += sub_block_total(gP, bos, t0, M, T_n, i_hv, HV, K, o_k, BC)
+    return b_s
+
+
+@triton.jit
+def chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BT: tl.constexpr,
+                     BC: tl.constexpr):
+    """For the whole chunk at channels o_k: (G [BT, BKS] chunk prefix, Gs [BT, BKS] chunk suffix after the row
+    (G_C - G), G_C [BKS]), each a sum of non-positive terms (see the module docstring). Rows past T_n hold
+    don't-care finite values."""
+    tl.static_assert(BT == 4 * BC)
+    o_t = tl.arange(0, BT)
+    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                 # [BT, BKS]
+    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BKS]
+    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    s = (o_t // BC)[:, None]                                                # [BT, 1] sub-block of each row
+    b_before = (tl.where(s >= 1, b_t0[None, :], 0.0) + tl.where(s >= 2, b_t1[None, :], 0.0)
+                + tl.where(s >= 3, b_t2[None, :], 0.0))                      # [BT, BKS]
+    b_own = tl.where(s == 0, b_t0[None, :], tl.where(s == 1, b_t1[None, :],
+                     tl.where(s == 2, b_t2[None, :], b_t3[None, :])))       # [BT, BKS]
+    b_after = (tl.where(s <= 0, b_t1[None, :], 0.0) + tl.where(s <= 1, b_t2[None, :], 0.0)
+               + tl.where(s <= 2, b_t3[None, :], 0.0))                       # [BT, BKS]
+    b_G = b_P + b_before
+    b_Gs = (b_own - b_P) + b_after
+    return b_G, b_Gs, b_t0 + b_t1 + b_t2 + b_t3
+
+
+@triton.jit
+def unit_lower_inverse(b_A, BC: tl.constexpr):
+    """``(I + A)^-1`` of a strictly lower triangular [BC, BC] float32 block by forward substitution: row i of the
+    inverse is ``e_i - sum_{m < i} A[i, m] * (row m of the inverse)``."""
+    o_i = tl.arange(0, BC)
+    b_T = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)                 # [BC, BC]
+    for i in range(1, BC):
+        m_i = (o_i == i)[:, None]
+        b_a = tl.sum(tl.where(m_i, b_A, 0.0), 0)                           # [BC] row i of A
+        b_row = -tl.sum(b_a[:, None] * b_T, 0)                             # [BC]
+        b_T = tl.where(m_i, b_row[None, :] + tl.where(o_i == i, 1.0, 0.0)[None, :], b_T)
+    return b_T
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)

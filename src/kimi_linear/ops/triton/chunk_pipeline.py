@@ -1,0 +1,198 @@
+"""Host side of the chunk pipeline: the forward as five small kernels and the backward (chunk_bwd.py).
+
+Forward (SPEC section 2), each kernel with a bounded working set:
+
+    (a) chunk_prepare.py  gate -> gP (16-row sub-block sums), l2norm row factors rq, rk
+    (b) chunk_wy.py       scores: Aqk, Akk per 16-row sub-block of each chunk
+    (c, d) chunk_wy.py    (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
+    (e) chunk_state.py    the state scan: h per chunk, vn = u - w h, final state
+    (f) chunk_state.py    o = scale (qg h + Aqk vn)
+
+Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
+bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``
+and for every other input dtype. gP, the inverse and the state in the scan are always float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..gate import KernelOptions
+from .chunk_common import BC, BT
+from .chunk_prepare import chunk_kda_prepare_kernel
+from .chunk_state import chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
+from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch shapes and the storage dtype (benchmarks sweep these; defaults are the tested ones)."""
+
+    store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
+    scores_bks: int = 64              # key channels per step in the scores kernel
+    scores_bkd: int = 16              # key channels per step of its strong-decay (pairwise) diagonal path
+    scores_warps: int = 4
+    wy_bks: int = 64                  # key / value columns per step in the inverse + WY kernel
+    wy_warps: int = 4
+    h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
+    h_warps: int = 4
+    h_stages: int = 2
+    o_bv: int = 64                    # value columns per program of the output kernel
+    o_bks: int = 64
+    o_warps: int = 4
+    bwd_bk: int = 32                  # key channels per program of the backward's per-chunk kernels
+    bwd_warps: int = 4
+
+
+DEFAULT_CONFIG = LaunchConfig()
+
+
+def varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(chunk_indices [NT, 2] int32: sequence and chunk within it; chunk_offsets [N+1] int32: first flat chunk of
+    each sequence; NT)."""
+    bounds = cu_seqlens.tolist()
+    counts = [triton.cdiv(e - s, BT) for s, e in zip(bounds[:-1], bounds[1:])]
+    pairs = [(n, c) for n, m in enumerate(counts) for c in range(m)]
+    offsets = [0]
+    for m in counts:
+        offsets.append(offsets[-1] + m)
+    dev = cu_seqlens.device
+    table = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32, device=dev)
+    return table, torch.tensor(offsets, dtype=torch.int32, device=dev), len(pairs)
+
+
+@dataclass
+class Pieces:
+    """What the forward kernels (a)-(e) produce; the backward recomputes them."""
+
+    gP: torch.Tensor
+    rq: torch.Tensor | None
+    rk: torch.Tensor | None
+    Aqk: torch.Tensor
+    Akk: torch.Tensor
+    Tm: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    decay: torch.Tensor
+    h: torch.Tensor
+    vn: torch.Tensor
+    ht: torch.Tensor | None
+
+
+class Problem:
+    """Shapes, chunk tables and the flags every kernel takes, computed once per call."""
+
+    def __init__(self, q, v, cu_seqlens, opts: KernelOptions, cfg: LaunchConfig):
+        self.B, self.T, self.H, self.K = q.shape
+        self.HV, self.V = v.shape[2], v.shape[3]
+        self.N = self.B if cu_seqlens is None else cu_seqlens.numel() - 1
+        self.cu_seqlens = cu_seqlens
+        if cu_seqlens is None:
+            self.NT_seq = triton.cdiv(self.T, BT)
+            self.NT, self.chunk_indices, self.chunk_offsets = self.B * self.NT_seq, None, None
+        else:
+            self.NT_seq = 0
+            self.chunk_indices, self.chunk_offsets, self.NT = varlen_tables(cu_seqlens)
+        self.BK = triton.next_power_of_2(self.K)
+        self.dtype, self.device = q.dtype, q.device
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands.
+        self.prec = "tf32" if half else "ieee"
+        self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
+        self.opts, self.cfg = opts, cfg
+        self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+
+    def ptr(self, x):
+        return self.dummy if x is None else x
+
+    def varlen(self) -> dict:
+        return dict(cu_seqlens=self.ptr(self.cu_seqlens), chunk_indices=self.ptr(self.chunk_indices))
+
+    def empty(self, *shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=self.device)
+
+
+def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
+                   store_states: bool = True) -> Pieces:
+    """Kernels (a)-(e) on contiguous inputs."""
+    B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
+    use_l2 = opts.use_qk_l2norm_in_kernel
+    gP = p.empty(B, T, HV, K)
+    rq = p.empty(B, T, H) if use_l2 else None
+    rk = p.empty(B, T, H) if use_l2 else None
+    A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
+    dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
+    IS_VARLEN = p.cu_seqlens is not None
+    chunk_kda_prepare_kernel[(NT, HV)](
+        q=q, k=k, g=g, A_log=p.ptr(A_log), dt_bias=p.ptr(dt_bias), gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(),
+        lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T, NT=p.NT_seq,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_GATE=opts.use_gate_in_kernel,
+        USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, USE_QK_L2NORM=use_l2,
+        num_warps=4,
+    )
+    Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
+    Akk = p.empty(B, T, HV, BT)
+    bks = min(cfg.scores_bks, p.BK)
+    chunk_kda_fwd_scores_kernel[(NT * (BT // BC), HV)](
+        q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Aqk=Aqk, Akk=Akk, **p.varlen(), T=T, NT=p.NT_seq,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BKS=bks, BKD=min(cfg.scores_bkd, bks), IS_VARLEN=IS_VARLEN,
+        USE_QK_L2NORM=use_l2, PREC=p.prec, num_warps=cfg.scores_warps,
+    )
+    Tm = p.empty(B, T, HV, BT)
+    w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
+    u = p.empty(B, T, HV, V, dtype=p.sdt)
+    decay = p.empty(max(NT, 1), HV, K)
+    chunk_kda_fwd_wy_kernel[(NT, HV)](
+        q=q, k=k, v=v, beta=beta, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg,
+        decay=decay, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
+        BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, triton.next_power_of_2(V)), IS_VARLEN=IS_VARLEN,
+        USE_QK_L2NORM=use_l2, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
+        PREC=p.prec, num_warps=cfg.wy_warps,
+    )
+    h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
+    vn = p.empty(B, T, HV, V, dtype=p.sdt)
+    ht = p.empty(p.N, HV, K, V) if output_final_state else None
+    BV = min(cfg.h_bv, triton.next_power_of_2(V))
+    chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV), p.N * HV)](
+        w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
+        cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), T=T,
+        HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states, PREC=p.prec,
+        num_warps=cfg.h_warps, num_stages=cfg.h_stages,
+    )
+    return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht)
+
+
+def output(p: Problem, x: Pieces, scale: float) -> torch.Tensor:
+    """Kernel (f)."""
+    o = p.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
+    BV = min(p.cfg.o_bv, triton.next_power_of_2(p.V))
+    chunk_kda_fwd_o_kernel[(p.NT, triton.cdiv(p.V, BV), p.HV)](
+        qg=x.qg, h=x.h, Aqk=x.Aqk, vn=x.vn, o=o, **p.varlen(), scale=scale, T=p.T, NT=p.NT_seq,
+        HV=p.HV, K=p.K, V=p.V, BT=BT, BKS=min(p.cfg.o_bks, p.BK), BV=BV, IS_VARLEN=p.cu_seqlens is not None,
+        PREC=p.prec, num_warps=p.cfg.o_warps,
+    )
+    return o
+
+
+def chunk_kda_fwd_pipeline(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
+    cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pipeline forward on contiguous inputs: (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
+    p = Problem(q, v, cu_seqlens, opts, cfg)
+    if p.T == 0 or p.NT == 0:
+        o = torch.zeros(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
+        ht = None
+        if output_final_state:
+            ht = initial_state.clone() if initial_state is not None else q.new_zeros(p.N, p.HV, p.K, p.V,
+                                                                                     dtype=torch.float32)
+        return o, ht
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state)
+    return output(p, x, scale), x.ht
