@@ -3,6 +3,7 @@
     kimi-linear train --task mqar --mixer kda --steps 2000 --out runs/mqar      # a synthetic task
     kimi-linear train --corpus stdlib --preset tiny --steps 5000 --out runs/py    # text: BPE + packed documents
     kimi-linear train --resume runs/py/step-2000 --steps 5000 --out runs/py       # continue exactly
+    torchrun --nproc-per-node 2 -m kimi_linear.cli train --task mqar --context-parallel 2 --seq-len 65536 ...
 
 Checkpoints (``OUT/step-N``) are ordinary model directories (config.json, safetensors, tokenizer) that
 ``kimi-linear generate`` and transformers load, plus ``trainer_state.pt`` for exact resume.
@@ -52,6 +53,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     run.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     run.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     run.add_argument("--seed", type=int, default=0)
+    dist = p.add_argument_group("several processes (under torchrun)")
+    dist.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                      help="split every row along time across C ranks (consecutive ranks; the world size must be a "
+                           "multiple of C, the rest is data parallel); --task data only")
+    dist.add_argument("--activation-checkpointing", action="store_true",
+                      help="keep only each decoder layer's input, recompute the layer in backward (long sequences)")
     return p
 
 
@@ -87,6 +94,22 @@ def _text_source(args, tokenizer_dir: str | None):
     return source, tokenizer
 
 
+def _context_parallel_problem(args: argparse.Namespace, world: int) -> str | None:
+    """Why ``--context-parallel`` cannot run with these arguments (checked on every rank alike), or None."""
+    C = args.context_parallel
+    if world % C:
+        return f"needs torchrun with a multiple of {C} processes, got a world of {world}"
+    if args.task is None:
+        return "--corpus packs documents into rows (cu_seqlens), which cannot be split along time; use --task"
+    if args.mixer == "gdn":
+        return "Gated DeltaNet layers have no context-parallel path (KDA and MLA do)"
+    if args.seq_len % C:
+        return f"--seq-len {args.seq_len} is not divisible by {C}"
+    if args.batch_size % (world // C):
+        return f"--batch-size {args.batch_size} is not divisible by the {world // C} data-parallel replicas"
+    return None
+
+
 def run_train(args: argparse.Namespace) -> int:
     import torch
 
@@ -102,6 +125,12 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = args.context_parallel
+    if cp_size > 1:
+        problem = _context_parallel_problem(args, world)
+        if problem:
+            print(f"error: --context-parallel {cp_size}: {problem}", file=sys.stderr)
+            return 2
     rank = 0
     if world > 1:  # under torchrun: FSDP2 data parallel
         from .distributed import init_distributed
@@ -135,14 +164,34 @@ def run_train(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     if world > 1:
-        from .distributed import ShardedSource, load_sharded, shard_model
+        from .distributed import (
+            ContextParallelSource,
+            ContextParallelTrainer,
+            ShardedSource,
+            checkpoint_layers,
+            load_sharded,
+            shard_model,
+        )
 
-        source = source.shard(rank, world) if hasattr(source, "shard") else ShardedSource(source, rank, world)
+        cp = None
+        if cp_size > 1:
+            from kimi_linear.model.context_parallel import new_context_parallel_groups
+
+            cp, dp_rank, dp_world = new_context_parallel_groups(cp_size)
+            source = ContextParallelSource(source, cp, dp_rank, dp_world)
+        else:
+            source = source.shard(rank, world) if hasattr(source, "shard") else ShardedSource(source, rank, world)
         if model is None:
             model = (KimiLinearForCausalLM.from_pretrained(args.resume, dtype=torch.float32) if args.resume else
                      KimiLinearForCausalLM(model_config).init_weights(args.seed))
-        trainer = Trainer(shard_model(model.to(device), bf16=device.startswith("cuda") and not args.no_bf16),
-                          source, config)
+        if args.activation_checkpointing:
+            checkpoint_layers(model)
+        model = shard_model(model.to(device), bf16=device.startswith("cuda") and not args.no_bf16)
+        if cp is not None:
+            from kimi_linear.model.context_parallel import enable_context_parallel
+
+            enable_context_parallel(model, cp)
+        trainer = (ContextParallelTrainer if cp is not None else Trainer)(model, source, config)
         trainer.sharded = True
         if args.resume:
             load_sharded(trainer, args.resume)
@@ -153,6 +202,10 @@ def run_train(args: argparse.Namespace) -> int:
         if model is None:
             model = KimiLinearForCausalLM(model_config).init_weights(args.seed)
         trainer = Trainer(model.to(device), source, config)
+    if args.activation_checkpointing and world == 1:
+        from .distributed import checkpoint_layers
+
+        checkpoint_layers(trainer.model)
     trainer.tokenizer = tokenizer
     n_params = sum(p.numel() for p in trainer.model.parameters())
     print(f"training {n_params / 1e6:.2f}M parameters on {device}, step {trainer.step} -> {args.steps}",
