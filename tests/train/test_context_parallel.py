@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from kimi_linear.layers.context_parallel import GlobalCausal
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
 from kimi_linear.model.context_parallel import (
     ContextParallel,
@@ -187,3 +188,18 @@ def test_fsdp2_context_parallel_step_equals_one_process(tmp_path):
     for r in (r0, r1):
         assert abs(r["eval"]["loss"] - held_out["loss"]) <= 1e-5 * held_out["loss"]
         assert r["eval"]["accuracy"] == held_out["accuracy"]
+
+
+def test_global_causal_mask_matches_materialised_and_takes_mixed_dtypes():
+    """Queries at global positions 3..5 of 6 keys: lower-right causal. MLA's k can be float32 next to a bf16 q under
+    autocast; the mask casts to one dtype (PyTorch's own CausalBias hands mixed dtypes to kernels that refuse them)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 8, generator=gen).bfloat16()
+    k, v = torch.randn(1, 2, 6, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen).bfloat16()
+    allowed = torch.ones(3, 6, dtype=torch.bool).tril(3)
+    ref = F.scaled_dot_product_attention(q.float(), k, v.float(), attn_mask=allowed)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=GlobalCausal(3, 6))
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=GlobalCausal(3, 6))
+    assert out.dtype == torch.bfloat16 and rel(out.float(), ref) < 1e-2

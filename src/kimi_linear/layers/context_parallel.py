@@ -18,13 +18,33 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from kimi_linear.ops.context_parallel import context_parallel_chunk_kda
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+class GlobalCausal(CausalBias):
+    """SDPA mask for T queries at global positions ``L - T .. L - 1`` against keys ``0 .. L - 1``: PyTorch's
+    lower-right ``CausalBias`` (flash attention on GPUs, nothing materialised), with q, k, v brought to one dtype
+    first. A ``CausalBias`` dispatches to the fused kernels itself, before autocast would cast SDPA's inputs; given
+    mixed dtypes (MLA's k_rope comes through a float32-weighted norm under autocast) the kernels refuse and PyTorch
+    falls back to materialising a [T, L] mask, which at long context does not fit."""
+
+    def __init__(self, T: int, L: int) -> None:
+        super().__init__(CausalVariant.LOWER_RIGHT, T, L)
+
+    @staticmethod
+    def _dispatch(query, key, value, attn_mask, *args, **kwargs):  # type: ignore[override]
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+        else:
+            dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+        return CausalBias._dispatch(query.to(dtype), key.to(dtype), value.to(dtype), attn_mask, *args, **kwargs)
 
 
 class _GatherTime(torch.autograd.Function):
@@ -125,14 +145,14 @@ class ContextParallel:
 
     def gather_latents(self, entry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MLA: entry [B, T, W] (latent | k_rope of this rank's tokens) -> (every token's entry up to this rank's
-        last one [B, offset + T, W], the causal mask for this rank's queries at global positions: a lower-right
-        ``CausalBias`` [T, offset + T] that SDPA runs with flash attention on GPUs, or None on rank 0 where plain
-        causal attention is exact). Later ranks' latents are gathered too (an all-gather moves equal pieces) but
+        last one [B, offset + T, W], the causal mask for this rank's queries at global positions: a
+        :class:`GlobalCausal` [T, offset + T] that SDPA runs with flash attention on GPUs, or None on rank 0 where
+        plain causal attention is exact). Later ranks' latents are gathered too (an all-gather moves equal pieces) but
         not attended to."""
         T = entry.shape[1]
         L = self.offset(T) + T
         everything = _GatherTime.apply(entry, self.group, self.world, self.rank)
-        return everything[:, :L], (None if L == T else causal_lower_right(T, L))
+        return everything[:, :L], (None if L == T else GlobalCausal(T, L))
 
     def chunk_kda(
         self,
