@@ -35,6 +35,11 @@ class EngineConfig:
     max_prefill_forwards: prefill forwards run per engine step (between two decode steps).
     prefix_caching: share full MLA blocks by hash chain and restore KDA snapshots.
     num_snapshots: KDA snapshot slots for prefix caching (LRU); default ``4 * max_num_seqs``.
+    cuda_graphs: run batched decode steps through the fixed-shape step of ``cuda_graph.py``, captured as CUDA graphs
+        per (batch, context) bucket. ``None``: on for a CUDA model, off otherwise. ``True`` on CPU runs the same
+        fixed-shape step eagerly (what the tests check; slower than the normal CPU path).
+    cuda_graph_max_len: longest context (cached tokens + the new one) a captured decode step covers; a decode batch
+        with a longer sequence runs eagerly. Buckets double from 256 tokens up to it.
     """
 
     max_num_seqs: int = 16
@@ -45,9 +50,11 @@ class EngineConfig:
     max_prefill_forwards: int = 1
     prefix_caching: bool = True
     num_snapshots: int | None = None
+    cuda_graphs: bool | None = None
+    cuda_graph_max_len: int = 8192
 
     def validate(self) -> EngineConfig:
-        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_prefill_forwards"):
+        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_prefill_forwards", "cuda_graph_max_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {v!r}")
@@ -58,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"`num_blocks` must be >= 1, got {self.num_blocks}")
         if self.num_snapshots is not None and self.num_snapshots < 0:
             raise ValueError(f"`num_snapshots` must be >= 0, got {self.num_snapshots}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"`cuda_graphs` must be True, False or None (auto), got {self.cuda_graphs!r}")
         if self.memory is not None and self.memory <= 0:
             raise ValueError(f"`memory` must be > 0 bytes, got {self.memory}")
         return self

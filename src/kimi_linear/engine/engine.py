@@ -5,6 +5,10 @@ one batched decode forward for every running sequence that has exactly one uncom
 chunk of a request still reading its prompt. Prefill chunks run one request at a time: the KDA layer handles
 padding by zeroing inputs, which is exact only for left padding of a fresh sequence, so a running sequence is
 never padded. Decode rows of different lengths are aligned by left-padding their MLA latents (masked keys).
+
+With ``cuda_graphs`` (default on for a CUDA model) the decode forward goes through the fixed-shape step of
+``cuda_graph.py`` instead, replayed as a CUDA graph per (batch, context) bucket; batches it does not cover run the
+eager forward above.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kimi_linear.layers import LatentCache
 from kimi_linear.model.cache import HybridCache
 
 from .config import EngineConfig
+from .cuda_graph import DecodeGraphs
 from .pools import BlockPool, SnapshotCache, StatePool
 from .sampling import SamplingParams, sample, token_logprobs
 from .sequence import RequestOutput, Sequence, Status
@@ -50,7 +55,9 @@ class LLMEngine:
         S = self.cfg.max_num_seqs
         kda_mods = [layers[i].self_attn for i in self.kda_idx]
         self.widths = [layers[i].self_attn.cache_width for i in self.mla_idx]
-        self.slots = StatePool(S, kda_mods, dtype, device)
+        graphs = self.cfg.cuda_graphs if self.cfg.cuda_graphs is not None else device.type == "cuda"
+        # The fixed-shape decode step pads batches with rows that use one extra slot and block (scratch).
+        self.slots = StatePool(S, kda_mods, dtype, device, scratch=graphs)
         n_snap = self.cfg.num_snapshots if self.cfg.num_snapshots is not None else 4 * S
         self.snapshots = SnapshotCache(StatePool(n_snap if self.cfg.prefix_caching else 0, kda_mods, dtype, device))
         bs = self.cfg.block_size
@@ -58,8 +65,8 @@ class LLMEngine:
         num_blocks = self.cfg.num_blocks
         if num_blocks is None:
             if self.cfg.memory is not None and block_bytes:
-                left = self.cfg.memory - self.slots.nbytes() - self.snapshots.pool.nbytes()
-                num_blocks = left // block_bytes
+                left = self.cfg.memory - self.slots.nbytes() - self.slots.scratch_bytes() - self.snapshots.pool.nbytes()
+                num_blocks = left // block_bytes - int(graphs)
                 if num_blocks < 1:
                     raise ValueError(
                         f"`memory` = {self.cfg.memory} bytes is too small: {S} KDA slots + {n_snap} snapshots take "
@@ -71,21 +78,37 @@ class LLMEngine:
                 num_blocks = S * math.ceil(self.max_context / bs)
                 if block_bytes:
                     num_blocks = max(1, min(num_blocks, DEFAULT_MLA_BYTES // block_bytes))
-        self.blocks = BlockPool(int(num_blocks), bs, self.widths, dtype, device)
+        self.blocks = BlockPool(int(num_blocks), bs, self.widths, dtype, device, scratch=graphs)
+        self.graphs = DecodeGraphs(
+            model, self.slots, self.blocks, self.kda_idx, self.mla_idx, S,
+            min(self.cfg.cuda_graph_max_len, self.max_context), capture=device.type == "cuda",
+        ) if graphs else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefix_cache_hit_tokens=0,
                              prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, requests_finished=0,
-                             requests_aborted=0, steps=0, decode_forwards=0, prefill_forwards=0)
+                             requests_aborted=0, steps=0, decode_forwards=0, prefill_forwards=0,
+                             graph_decode_forwards=0)
         self._hold_admission = False                            # set by a preemption, cleared by a finish
         self._recent: deque[tuple[float, int]] = deque()        # (time, tokens) for tokens/s
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def allocated_bytes(self) -> dict[str, int]:
-        """Bytes the pools hold: KDA state slots, KDA prefix snapshots, MLA latent blocks."""
-        return dict(kda_slots=self.slots.nbytes(), kda_snapshots=self.snapshots.pool.nbytes(),
-                    mla_blocks=self.blocks.nbytes())
+        """Bytes the pools hold: KDA state slots, KDA prefix snapshots, MLA latent blocks (and, with CUDA graphs,
+        the padding rows' scratch slot and block)."""
+        out = dict(kda_slots=self.slots.nbytes(), kda_snapshots=self.snapshots.pool.nbytes(),
+                   mla_blocks=self.blocks.nbytes())
+        if self.graphs is not None:
+            out["graph_scratch"] = self.slots.scratch_bytes() + self.blocks.scratch_bytes()
+        return out
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture the decode graphs of every (batch, context) bucket now instead of on first use (a server does
+        this at start-up). Returns how many graphs are held (0 without CUDA graphs)."""
+        if self.graphs is None or not self.graphs.capture:
+            return 0
+        return self.graphs.capture_all()
 
     def token_capacity(self) -> int:
         return self.blocks.num_blocks * self.cfg.block_size if self.widths else self.max_context
@@ -317,17 +340,36 @@ class LLMEngine:
         self.slots.scatter([s.slot for s in seqs], [cache.layers[k] for k in self.kda_idx])
         for r, s in enumerate(seqs):
             self.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
-            # Prompt (or recomputed) tokens count as prefill even when the last one rides in a decode batch.
-            self.counters["prefill_tokens"] += max(0, min(ps[r] + T, s.prefill_target) - ps[r])
-            s.num_computed += T
+        self._advance(seqs, T)
         return logits
 
-    def _after_forward(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample when the sequence has caught up with its tokens; check stop conditions; emit."""
+    def _advance(self, seqs: list[Sequence], T: int) -> None:
+        """Count ``T`` more computed tokens per sequence (after their state and latents are in the pools)."""
+        for s in seqs:
+            # Prompt (or recomputed) tokens count as prefill even when the last one rides in a decode batch.
+            self.counters["prefill_tokens"] += max(0, min(s.num_computed + T, s.prefill_target) - s.num_computed)
+            s.num_computed += T
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token of every sequence: through the CUDA-graph step when a bucket covers the batch, else eagerly.
+        Returns logits [B, vocab] float32."""
+        if self.graphs is not None:
+            logits = self.graphs.run(seqs)
+            if logits is not None:
+                self.counters["graph_decode_forwards"] += 1
+                self._advance(seqs, 1)
+                return logits
+        return self._forward(seqs, 1)
+
+    def _after_forward(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """Sample when the sequence has caught up with its tokens; check stop conditions; emit. ``greedy``: the
+        argmax of ``logits`` when already known (a GPU batch computes all of them with one read-back)."""
         if seq.num_computed < seq.num_tokens():
             return
         p = seq.params
-        tok = sample(logits, p, seq.generator)
+        if logits.device.type != "cpu" and (greedy is None or p.temperature != 0 or p.logprobs is not None):
+            logits = logits.cpu()        # the request's generator lives on the CPU; log-probs read many values
+        tok = greedy if greedy is not None and p.temperature == 0 else sample(logits, p, seq.generator)
         seq.output_ids.append(tok)
         seq.pending.append(tok)
         if p.logprobs is not None:
@@ -374,9 +416,11 @@ class LLMEngine:
         ok = [s for s in ok if s.status == Status.RUNNING]
         if ok:
             self.counters["decode_forwards"] += 1
-            logits = self._forward(ok, 1)
+            logits = self._decode(ok)
+            # On a GPU, one read-back for every greedy row instead of one per row.
+            greedy = logits.argmax(-1).tolist() if logits.device.type != "cpu" else [None] * len(ok)
             for r, s in enumerate(ok):
-                self._after_forward(s, logits[r])
+                self._after_forward(s, logits[r], greedy[r])
         chunk = self.cfg.prefill_chunk
         for _ in range(self.cfg.max_prefill_forwards):
             pre = next((s for s in self.running if s.num_tokens() - s.num_computed > 1), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -13,21 +14,34 @@ class StatePool:
     """``num_slots`` fixed-size KDA states (conv window + float32 memory) for each KDA layer.
 
     Used twice: running sequences own one slot each; prefix-cache snapshots live in a second pool.
+
+    scratch: one more row, index ``num_slots`` (``self.scratch``), that is never handed out: the padding rows of a
+    fixed-shape decode batch (CUDA graphs, see ``cuda_graph.py``) read and write it instead of a real slot.
     """
 
-    def __init__(self, num_slots: int, kda_layers: list, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_slots: int, kda_layers: list, dtype: torch.dtype, device: torch.device,
+                 scratch: bool = False) -> None:
         self.num_slots = num_slots
-        self.conv = [torch.zeros(num_slots, m.conv_size - 1, 3 * m.num_heads * m.head_dim, dtype=dtype, device=device)
+        self.scratch: int | None = num_slots if scratch else None
+        rows = num_slots + int(scratch)
+        self.conv = [torch.zeros(rows, m.conv_size - 1, 3 * m.num_heads * m.head_dim, dtype=dtype, device=device)
                      for m in kda_layers]
-        self.rec = [torch.zeros(num_slots, m.num_heads, m.head_dim, m.head_dim, dtype=torch.float32, device=device)
+        self.rec = [torch.zeros(rows, m.num_heads, m.head_dim, m.head_dim, dtype=torch.float32, device=device)
                     for m in kda_layers]
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
 
+    def _row_bytes(self) -> int:
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.conv + self.rec)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv + self.rec)
+        """Bytes of the ``num_slots`` usable slots (the scratch row is :meth:`scratch_bytes`)."""
+        return self._row_bytes() * self.num_slots
+
+    def scratch_bytes(self) -> int:
+        return self._row_bytes() if self.scratch is not None else 0
 
     def slot_bytes(self) -> int:
-        return self.nbytes() // self.num_slots if self.num_slots else 0
+        return self._row_bytes() if self.num_slots else 0
 
     def alloc(self) -> int | None:
         return self.free.pop() if self.free else None
@@ -63,23 +77,35 @@ class BlockPool:
     Blocks are reference counted. A full block may carry a prefix hash; when its count drops to 0 it stays in an
     LRU list of cached free blocks and can be revived by a later request with the same prefix, until it is evicted
     to make room (plain free blocks are always handed out first).
+
+    scratch: one more block, index ``num_blocks`` (``self.scratch``), never handed out nor shared: the padding rows
+    of a fixed-shape decode batch write their latents there.
     """
 
     def __init__(self, num_blocks: int, block_size: int, widths: list[int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, scratch: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.data = [torch.zeros(num_blocks, block_size, w, dtype=dtype, device=device) for w in widths]
+        self.scratch: int | None = num_blocks if scratch else None
+        self.data = [torch.zeros(num_blocks + int(scratch), block_size, w, dtype=dtype, device=device)
+                     for w in widths]
         self.ref = [0] * num_blocks
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()     # LRU: oldest first
         self.hash_of: dict[int, bytes] = {}                            # block -> prefix hash
         self.block_of: dict[bytes, int] = {}                           # prefix hash -> block
 
+    def _row_bytes(self) -> int:
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.data)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.data)
+        """Bytes of the ``num_blocks`` usable blocks (the scratch block is :meth:`scratch_bytes`)."""
+        return self._row_bytes() * self.num_blocks
+
+    def scratch_bytes(self) -> int:
+        return self._row_bytes() if self.scratch is not None else 0
 
     def block_bytes(self) -> int:
-        return self.nbytes() // self.num_blocks if self.num_blocks else 0
+        return self._row_bytes() if self.num_blocks else 0
 
     def num_free(self) -> int:
         return len(self.free_plain) + len(self.free_cached)

@@ -98,7 +98,13 @@ class SparseMoE(nn.Module):
     ``z = routed_expert_down_proj(x)`` [.., latent_size]; their weighted sum is RMS-normed (``routed_expert_norm``,
     when ``latent_norm``) and mapped back by ``routed_expert_up_proj``. The norm sits after the weighted sum, as in
     the released K3 (norm of the aggregate, then up-projection). Shared experts stay full width.
+
+    static_dispatch: when True (set by the engine's CUDA-graph decode step, ``engine/cuda_graph.py``), the routed
+    experts run through :meth:`_dense`, which has fixed shapes and never reads routing results on the host.
     """
+
+    static_dispatch: bool = False
+    _stacked: tuple | None = None
 
     def __init__(
         self,
@@ -138,7 +144,9 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
         z = flat if self.latent_size is None else self.routed_expert_down_proj(flat)      # [N, D or latent]
-        if flat.shape[0] == 1:
+        if self.static_dispatch:
+            out = self._dense(z, weights, idx)
+        elif flat.shape[0] == 1:
             out = self._one_token(z, weights, idx)
         else:
             out = torch.zeros_like(z)
@@ -161,6 +169,30 @@ class SparseMoE(nn.Module):
             y = linear(expert.hidden(z), expert.w2.weight)
             out = y.mul_(w) if out is None else out.add_(y, alpha=w)
         return out
+
+    def _dense(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, combined with the routing weights scattered into a dense [N, E] matrix (0
+        for experts not chosen). z [N, W] -> [N, W]. Capture-safe (a CUDA graph): fixed shapes, no host sync, no
+        value-dependent branch. E/k times the expert FLOPs of the routed paths, which a GPU decode step of a few
+        dozen rows has to spare (it reads every expert's weights anyway once N*k >= E)."""
+        w13, w2 = self._stacked_experts()
+        gate, up = torch.matmul(z, w13.transpose(1, 2)).chunk(2, dim=-1)                   # [E, N, I] each
+        y = torch.bmm(self.experts[0].glu(gate, up), w2.transpose(1, 2))                   # [E, N, W]
+        dense = torch.zeros(z.shape[0], len(self.experts), dtype=torch.float32, device=z.device)
+        dense.scatter_(1, idx, weights.float())                                             # [N, E]
+        return torch.einsum("enw,ne->nw", upcast(y), dense).to(z.dtype)
+
+    def _stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert weights stacked once for :meth:`_dense`: w1|w3 [E, 2I, W] and w2 [E, W, I]. A copy (the routed
+        experts' memory again), rebuilt when a weight changes (storage or in-place version)."""
+        ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        if self._stacked is None or self._stacked[0] != key:
+            with torch.no_grad():
+                w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts])
+                w2 = torch.stack([e.w2.weight for e in self.experts])
+            self._stacked = (key, w13, w2)
+        return self._stacked[1], self._stacked[2]
 
     def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Add every token's weighted expert outputs into ``out`` [N, W] (W = expert width: D, or the latent);
