@@ -13,7 +13,9 @@ from typing import Any
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    s.add_argument("model", help="checkpoint directory (config.json + safetensors + tokenizer)")
+    s.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (config.json + safetensors + tokenizer); default: the small model "
+                        "shipped with the package")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--served-model-name", default=None,
@@ -33,6 +35,12 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--num-snapshots", type=int, default=None, help="KDA prefix snapshots (default 4 x seqs)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (= the checkpoint's)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available, else cpu)")
+    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay batched decode steps as CUDA graphs (default: on for a CUDA device)")
+    s.add_argument("--cuda-graph-max-len", type=int, default=8192,
+                   help="longest context a captured decode step covers; longer batches decode eagerly "
+                        "(default 8192)")
     s.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: torch's choice minus one, leaving a core for HTTP)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -55,20 +63,27 @@ def build_server(args: argparse.Namespace) -> Any:
     from kimi_linear.engine import EngineConfig, LLMEngine, parse_bytes
     from kimi_linear.engine.background import EngineLoop
     from kimi_linear.model import KimiLinearForCausalLM
+    from kimi_linear.model.default import NAME, resolve_model
     from kimi_linear.model.tokenizer import load_tokenizer
 
     from .app import ServerState, create_app
 
+    if args.model is None:
+        args.model = resolve_model(None)
+        args.served_model_name = args.served_model_name or NAME
     # The HTTP event loop needs a core too: on CPU, torch's default (all cores) makes the two fight.
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     cfg = EngineConfig(
         max_num_seqs=args.max_num_seqs, memory=parse_bytes(args.memory) if args.memory else None,
         num_blocks=args.num_blocks, block_size=args.block_size, prefill_chunk=args.prefill_chunk,
         prefix_caching=not args.no_prefix_caching, num_snapshots=args.num_snapshots,
+        cuda_graphs=args.cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
     ).validate()
-    model = KimiLinearForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = KimiLinearForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device)
     tok = load_tokenizer(args.model)
     engine = LLMEngine(model, cfg, tok)
+    engine.capture_cuda_graphs()      # before serving: no request waits for a capture
     loop = EngineLoop(engine)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     state = ServerState(loop, tok, name, aliases=(args.model, os.path.normpath(args.model)))
@@ -89,6 +104,10 @@ def run_serve(args: argparse.Namespace) -> int:
           f"({e.cfg.max_num_seqs} KDA slots {b['kda_slots'] / 2**20:.1f} MiB, {e.blocks.num_blocks} MLA blocks x "
           f"{e.cfg.block_size} tokens {b['mla_blocks'] / 2**20:.1f} MiB, snapshots {b['kda_snapshots'] / 2**20:.1f} "
           f"MiB){'  [api key required]' if args.api_key else ''}", file=sys.stderr, flush=True)
+    if e.graphs is not None and e.graphs.capture:
+        print(f"kimi-linear serve: {len(e.graphs.steps)} CUDA graphs captured in {e.graphs.capture_seconds:.1f} s"
+              + (f" (capture failed, decoding eagerly: {e.graphs.broken})" if e.graphs.broken else ""),
+              file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

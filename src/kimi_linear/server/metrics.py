@@ -22,6 +22,7 @@ COUNTERS = {
     "preemptions": "sequences preempted for cache blocks (recomputed later)",
     "requests_finished": "requests finished", "requests_aborted": "requests aborted (client gone)",
     "steps": "engine steps", "decode_forwards": "batched decode forwards", "prefill_forwards": "prefill forwards",
+    "graph_decode_forwards": "batched decode forwards replayed as CUDA graphs (fixed-shape step)",
 }
 
 
