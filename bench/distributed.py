@@ -1,0 +1,320 @@
+"""Issue 8 on GPUs: FSDP2 data-parallel scaling (1 vs 2 GPUs, same model, same global batch) and a context-parallel
+training step on one sequence of 1,048,576 tokens, next to one GPU at the longest sequence it holds.
+
+    bash bench/distributed.sh OUT            # everything on a 2-GPU host (NCCL), ~8 minutes
+    bash bench/distributed.sh OUT --smoke    # the same code path on CPU (gloo), tiny sizes, seconds
+
+Each phase is one torchrun launch that writes OUT/<phase>-w<world>.json; ``report`` prints the markdown table and
+writes OUT/summary.json:
+
+    torchrun --nproc-per-node 1 bench/distributed.py dp --out OUT        # data parallel, one GPU
+    torchrun --nproc-per-node 2 bench/distributed.py dp --out OUT        # the same global batch on two
+    torchrun --nproc-per-node 2 bench/distributed.py cp --out OUT        # one 1M-token sequence over two ranks
+    torchrun --nproc-per-node 1 bench/distributed.py longest --out OUT   # one GPU: 1M, else 512k, ... (OOM)
+    python bench/distributed.py report --out OUT
+
+Model: the `small` preset's shape (8 layers = 6 KDA + 2 NoPE MLA, hidden 512, MoE 8 experts top-2) with the
+4096-token vocabulary of `kimi-linear train --corpus stdlib` (the trainer's loss materialises float32 logits, 16 KiB
+per token at 4096), random tokens, every position labelled. Every phase trains through the package's own pieces:
+FSDP2 (`shard_model`, bf16 compute, float32 reduction), the Trainer's step (forward, backward, clipping, AdamW), bf16
+autocast. The cp and longest phases checkpoint activations per decoder layer (`checkpoint_layers`), so both hold
+the same kind of state; tokens/s counts the tokens of one optimizer step over its wall time (all ranks finished).
+Each phase keeps to ``--budget-s`` (rank 0 decides, all ranks follow) so a slow step skips what follows instead of
+overrunning the call; distributed.sh also puts a hard timeout on each launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from kimi_linear.model import KimiLinearForCausalLM, preset_config
+from kimi_linear.model.context_parallel import enable_context_parallel, new_context_parallel_groups
+from kimi_linear.train.distributed import (
+    ContextParallelSource,
+    ContextParallelTrainer,
+    ShardedSource,
+    checkpoint_layers,
+    init_distributed,
+    shard_model,
+)
+from kimi_linear.train.trainer import TrainConfig, Trainer
+
+K = 1024
+# phase -> (GPU defaults, --smoke defaults on CPU)
+SIZES = {
+    "dp": ({"seq_len": 4 * K, "batch": 16, "warmup": 3, "steps": 8},
+           {"seq_len": 64, "batch": 4, "warmup": 1, "steps": 2}),
+    "cp": ({"seq_len": K * K, "warmup_len": 64 * K, "steps": 2},
+           {"seq_len": 256, "warmup_len": 64, "steps": 2}),
+    "longest": ({"max_len": K * K, "min_len": 64 * K, "warmup_len": 16 * K},
+                {"max_len": 256, "min_len": 64, "warmup_len": 32}),
+}
+
+
+class RandomTokens:
+    """Random token rows, every position labelled (the next token); batch ``(step, micro)`` is a pure function of the
+    seed, so every rank builds the same global batch."""
+
+    def __init__(self, vocab: int, batch: int, seq_len: int, seed: int = 0) -> None:
+        self.vocab, self.batch_size, self.seq_len, self.seed = vocab, batch, seq_len, seed
+
+    def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + micro)
+        ids = torch.randint(0, self.vocab, (self.batch_size, self.seq_len + 1), generator=gen)
+        return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+    def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(())
+
+
+def build_model(smoke: bool, max_len: int) -> KimiLinearForCausalLM:
+    if smoke:
+        config = preset_config("tiny", vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_experts=4, model_max_length=max_len)
+    else:
+        config = preset_config("small", vocab_size=4096, model_max_length=max_len, pad_token_id=0, bos_token_id=1,
+                               eos_token_id=2)
+    return KimiLinearForCausalLM(config).init_weights(seed=0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def agree(flag: bool, device: torch.device) -> bool:
+    """Rank 0's decision, on every rank (a time-based choice must not differ between ranks that communicate)."""
+    t = torch.tensor([int(flag)], device=device)
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def timed_step(trainer: Trainer, device: torch.device) -> dict:
+    """One optimizer step: wall seconds until every rank is done, loss, and each rank's peak allocated memory."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    rec = trainer.train_step()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1],
+                        dtype=torch.float64, device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    gib = [None if p.item() < 0 else round(p.item() / 2**30, 2) for p in peaks]
+    return {"seconds": round(seconds, 3), "loss": rec["loss"], "peak_gib_per_rank": gib}
+
+
+def make_trainer(model, source, cp=None) -> Trainer:
+    config = TrainConfig(steps=10**9, lr=1e-4, warmup=1, progress=False, bf16=True)
+    return (ContextParallelTrainer if cp is not None else Trainer)(model, source, config)
+
+
+def phase_dp(args, sizes, device, world, rank) -> dict:
+    """Data parallel: the same global batch (``batch`` rows of ``seq_len``) on ``world`` ranks, rows split."""
+    model = shard_model(build_model(args.smoke, sizes["seq_len"]).to(device), bf16=device.type == "cuda")
+    source = RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"])
+    if sizes["batch"] % world:
+        raise ValueError(f"global batch {sizes['batch']} is not divisible by {world} ranks")
+    trainer = make_trainer(model, ShardedSource(source, rank, world))
+    start = time.perf_counter()
+    for _ in range(sizes["warmup"]):
+        timed_step(trainer, device)
+    steps: list[dict] = []
+    while len(steps) < sizes["steps"]:
+        last = steps[-1]["seconds"] if steps else 0.0
+        if len(steps) >= 2 and not agree(time.perf_counter() - start + last < args.budget_s, device):
+            break
+        steps.append(timed_step(trainer, device))
+    tokens = sizes["batch"] * sizes["seq_len"]
+    seconds = sum(s["seconds"] for s in steps)
+    return {"global_batch_rows": sizes["batch"], "seq_len": sizes["seq_len"], "tokens_per_step": tokens,
+            "timed_steps": len(steps), "tokens_per_s": round(tokens * len(steps) / seconds, 1),
+            "peak_gib_per_rank": steps[-1]["peak_gib_per_rank"], "losses": [s["loss"] for s in steps]}
+
+
+def phase_cp(args, sizes, device, world, rank) -> dict:
+    """Context parallel: one sequence of ``seq_len`` tokens split along time over all ranks; first a short step
+    (kernel compilation, communicator set-up), then up to ``steps`` steps at full length."""
+    cp, dp_rank, dp_world = new_context_parallel_groups(world)
+    model = build_model(args.smoke, sizes["seq_len"])
+    if args.checkpointing:
+        checkpoint_layers(model)
+    model = shard_model(model.to(device), bf16=device.type == "cuda")
+    enable_context_parallel(model, cp)
+    short = ContextParallelSource(RandomTokens(args.vocab, 1, sizes["warmup_len"]), cp, dp_rank, dp_world)
+    trainer = make_trainer(model, short, cp)
+    start = time.perf_counter()
+    warm = timed_step(trainer, device)
+    trainer.source = ContextParallelSource(RandomTokens(args.vocab, 1, sizes["seq_len"], seed=1), cp, dp_rank,
+                                           dp_world)
+    steps: list[dict] = []
+    while len(steps) < sizes["steps"]:
+        last = steps[-1]["seconds"] if steps else 0.0
+        if steps and not agree(time.perf_counter() - start + last < args.budget_s, device):
+            break
+        steps.append(timed_step(trainer, device))
+    return {"seq_len": sizes["seq_len"], "ranks": world, "tokens_per_rank": sizes["seq_len"] // world,
+            "activation_checkpointing": args.checkpointing, "warmup": {"seq_len": sizes["warmup_len"], **warm},
+            "steps": steps, "tokens_per_s": round(sizes["seq_len"] / steps[-1]["seconds"], 1),
+            "peak_gib_per_rank": steps[-1]["peak_gib_per_rank"]}
+
+
+def phase_longest(args, sizes, device, world, rank) -> dict:
+    """One GPU, one sequence: one step at max_len, then at half the length after each out-of-memory, down to
+    ``min_len``; the first length that fits is the longest power-of-two fraction of max_len it holds. After an
+    out-of-memory the model, FSDP state and optimizer are rebuilt (nothing half-done carries over)."""
+    import gc
+
+    def fresh(L: int) -> Trainer:
+        model = build_model(args.smoke, sizes["max_len"])
+        if args.simulate_oom_above:
+            # (CPU test of the recovery path) fail half-way through a forward, as a real out-of-memory would
+            def oom(module, inputs):
+                if inputs[0].shape[1] > args.simulate_oom_above:
+                    raise torch.OutOfMemoryError(f"simulated: {inputs[0].shape[1]} > {args.simulate_oom_above}")
+
+            model.model.layers[len(model.model.layers) // 2].register_forward_pre_hook(oom)
+        if args.checkpointing:
+            checkpoint_layers(model)
+        model = shard_model(model.to(device), bf16=device.type == "cuda")
+        return make_trainer(model, RandomTokens(args.vocab, 1, L, seed=L))
+
+    trainer = fresh(sizes["warmup_len"])
+    warm = timed_step(trainer, device)          # compiles the kernels
+    runs: list[dict] = []
+    L, held = sizes["max_len"], None
+    while L >= sizes["min_len"]:
+        trainer.source = RandomTokens(args.vocab, 1, L, seed=L)
+        try:
+            runs.append({"seq_len": L, **timed_step(trainer, device)})
+            runs[-1]["tokens_per_s"] = round(L / runs[-1]["seconds"], 1)
+            held = L
+            break
+        except torch.OutOfMemoryError:
+            runs.append({"seq_len": L, "oom": True})
+        # outside the except block, so the failed step's graph and traceback are gone before rebuilding
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        trainer = fresh(L // 2)
+        L //= 2
+    return {"activation_checkpointing": args.checkpointing, "warmup": {"seq_len": sizes["warmup_len"], **warm},
+            "runs": runs, "longest_held": held,
+            "note": f"lengths {sizes['max_len']} halved down to {sizes['min_len']}; the first that fits is kept"}
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "backend": dist.get_backend(), "world": dist.get_world_size()}
+    if device.type == "cuda":
+        env.update(device=torch.cuda.get_device_name(device), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return env
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def _gib(peaks) -> str:
+    return " / ".join("-" if p is None else f"{p:.1f}" for p in peaks)
+
+
+def report(out: str) -> dict:
+    """Markdown table of every phase found in ``out``; returns (and writes) the summary."""
+    def load(name):
+        path = os.path.join(out, name)
+        return json.load(open(path)) if os.path.isfile(path) else None
+
+    dp1, dp2, cp, longest = load("dp-w1.json"), load("dp-w2.json"), load("cp-w2.json"), load("longest-w1.json")
+    rows = ["| measurement | GPUs | tokens | tokens/s | peak GiB per rank | note |", "|---|---|---|---|---|---|"]
+    summary: dict = {"phases": {"dp-w1": dp1, "dp-w2": dp2, "cp-w2": cp, "longest-w1": longest}}
+    for d in (dp1, dp2):
+        if d:
+            r = d["result"]
+            rows.append(f"| FSDP2 data parallel, {r['global_batch_rows']} x {r['seq_len']} per step | "
+                        f"{d['env']['world']} | {r['tokens_per_step']} | {r['tokens_per_s']:.0f} | "
+                        f"{_gib(r['peak_gib_per_rank'])} | {r['timed_steps']} timed steps |")
+    if dp1 and dp2:
+        eff = dp2["result"]["tokens_per_s"] / (2 * dp1["result"]["tokens_per_s"])
+        # same global batches, so the same losses up to summation order (a check that 2 ranks train the same model)
+        a, b = dp1["result"]["losses"][0], dp2["result"]["losses"][0]
+        summary.update(dp_scaling_efficiency=round(eff, 3), dp_first_loss_rel_diff=abs(a - b) / abs(a))
+        rows.append(f"| scaling efficiency 2 GPUs vs 1 | | | {eff:.1%} | | tokens/s(2) / (2 x tokens/s(1)); first "
+                    f"timed loss 1 vs 2 GPUs: rel. diff {abs(a - b) / abs(a):.1e} |")
+    if cp:
+        r = cp["result"]
+        times = ", ".join(f"{s['seconds']:.1f}" for s in r["steps"])
+        rows.append(f"| context parallel, one sequence | {r['ranks']} | {r['seq_len']} | {r['tokens_per_s']:.0f} | "
+                    f"{_gib(r['peak_gib_per_rank'])} | step s: {times}; checkpointing "
+                    f"{'on' if r['activation_checkpointing'] else 'off'} |")
+    if longest:
+        r = longest["result"]
+        for run in r["runs"]:
+            if run.get("oom"):
+                rows.append(f"| one GPU, one sequence | 1 | {run['seq_len']} | OOM | | |")
+            else:
+                rows.append(f"| one GPU, one sequence | 1 | {run['seq_len']} | {run['tokens_per_s']:.0f} | "
+                            f"{_gib(run['peak_gib_per_rank'])} | step {run['seconds']:.1f} s |")
+        rows.append(f"| one GPU: longest held | 1 | {r['longest_held']} | | | {r['note']} |")
+        summary["one_gpu_longest_held"] = r["longest_held"]
+    env = next((d["env"] for d in (cp, dp2, dp1, longest) if d), {})
+    table = "\n".join(rows)
+    print(f"environment: {json.dumps(env)}\n\n{table}")
+    summary.update(env=env, table=table)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+# -------------------------------------------------------------------------------------------------------- main
+PHASES = {"dp": phase_dp, "cp": phase_cp, "longest": phase_longest}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=[*PHASES, "report"])
+    p.add_argument("--out", required=True, help="directory for the phase JSON files and summary.json")
+    p.add_argument("--smoke", action="store_true", help="tiny model and sizes (CPU, gloo): checks the code path")
+    p.add_argument("--budget-s", type=float, default=120.0, help="soft time limit of the phase (seconds)")
+    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                   help="cp / longest: keep every activation (default: checkpoint each decoder layer)")
+    p.add_argument("--seq-len", type=int, help="override: dp row length / cp sequence length")
+    p.add_argument("--max-len", type=int, help="override: longest phase's first (longest) length")
+    p.add_argument("--simulate-oom-above", type=int, default=0, help=argparse.SUPPRESS)   # tests the OOM path
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.phase == "report":
+        report(args.out)
+        return
+    args.vocab = 64 if args.smoke else 4096
+    sizes = dict(SIZES[args.phase][1 if args.smoke else 0])
+    if args.seq_len and args.phase in ("dp", "cp"):
+        sizes["seq_len"] = args.seq_len
+    if args.max_len and args.phase == "longest":
+        sizes["max_len"] = args.max_len
+    rank, world, device = init_distributed()
+    if args.smoke:
+        torch.set_num_threads(1)
+    try:
+        result = PHASES[args.phase](args, sizes, device, world, rank)
+        if rank == 0:
+            record = {"phase": args.phase, "env": environment(device), "result": result}
+            path = os.path.join(args.out, f"{args.phase}-w{world}.json")
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
+            print(json.dumps(record))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""bench/distributed.sh --smoke: the GPU benchmark's every phase (FSDP2 data parallel on 1 and 2 ranks, a
+context-parallel step, the one-device longest-sequence search with its out-of-memory recovery, the report) on CPU
+with gloo, so the one GPU call cannot fail on a typo."""
+
+import json
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_distributed_bench_smoke(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "bench" / "distributed.sh"), str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else ""
+    assert done.returncode == 0, done.stderr[-2000:] + log[-3000:]
+    assert log.count("=== exit 0") == 4, log[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    dp1, dp2 = summary["phases"]["dp-w1"]["result"], summary["phases"]["dp-w2"]["result"]
+    assert dp1["tokens_per_step"] == dp2["tokens_per_step"] and dp1["tokens_per_s"] > 0 < dp2["tokens_per_s"]
+    assert summary["dp_first_loss_rel_diff"] < 1e-5         # 2 ranks train what 1 does
+    cp = summary["phases"]["cp-w2"]["result"]
+    assert cp["ranks"] == 2 and cp["steps"] and cp["tokens_per_s"] > 0
+    longest = summary["phases"]["longest-w1"]["result"]
+    assert [r["seq_len"] for r in longest["runs"]] == [256, 128] and longest["runs"][0]["oom"]
+    assert longest["longest_held"] == 128
+    assert "| context parallel, one sequence | 2 | 256 |" in done.stdout
