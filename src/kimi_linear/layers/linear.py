@@ -16,15 +16,17 @@ from torch import nn
 
 
 def _row_blocks(weight: torch.Tensor, n: int) -> torch.Tensor | None:
-    """weight [out, in] as n blocks of output features, [n, in, out/n], without copying; None if its layout
-    does not allow that."""
+    """weight [out, in] as n blocks of output features, [n, in, out/n], without copying (one ``as_strided``);
+    None if its layout does not allow that."""
     out_f, in_f = weight.shape
     if out_f % n:
         return None
-    if weight.stride() == (in_f, 1):                          # row-major: each block is a contiguous slab
-        return weight.view(n, out_f // n, in_f).transpose(1, 2)
-    if weight.stride() == (1, out_f):                         # column-major: each block is a column range
-        return weight.t().view(in_f, n, out_f // n).transpose(0, 1)
+    rows = out_f // n
+    stride = weight.stride()
+    if stride == (in_f, 1):                                   # row-major: each block is a contiguous slab
+        return weight.as_strided((n, in_f, rows), (rows * in_f, 1, in_f))
+    if stride == (1, out_f):                                  # column-major: each block is a column range
+        return weight.as_strided((n, in_f, rows), (rows, out_f, 1))
     return None
 
 
@@ -32,14 +34,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``; x [..., in] holding a single row on the CPU without autograd goes through a
     thread-parallel batched product (see the module docstring)."""
     n = torch.get_num_threads()
+    in_f = x.shape[-1]
     if (
-        n > 1 and x.device.type == "cpu" and x.numel() == x.shape[-1]
+        n > 1 and x.numel() == in_f and x.device.type == "cpu" and x.dtype == weight.dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         blocks = _row_blocks(weight, n)
-        if blocks is not None and blocks.dtype == x.dtype:
-            in_f = weight.shape[1]
-            y = torch.bmm(x.reshape(1, 1, in_f).expand(n, 1, in_f), blocks).view(*x.shape[:-1], weight.shape[0])
+        if blocks is not None:
+            # x broadcast to every block without a copy: [n, 1, in] with batch stride 0.
+            y = torch.bmm(x.contiguous().as_strided((n, 1, in_f), (0, in_f, 1)), blocks)     # [n, 1, out/n]
+            y = y.view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
