@@ -98,8 +98,9 @@ def agree(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def timed_step(trainer: Trainer, device: torch.device) -> dict:
-    """One optimizer step: wall seconds until every rank is done, loss, and each rank's peak allocated memory."""
+def timed_step(trainer: Trainer, device: torch.device, what: str = "") -> dict:
+    """One optimizer step: wall seconds until every rank is done, loss, and each rank's peak allocated memory.
+    Rank 0 also prints it at once (the log keeps it even if the phase is cut by its time limit)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
@@ -112,7 +113,16 @@ def timed_step(trainer: Trainer, device: torch.device) -> dict:
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
     gib = [None if p.item() < 0 else round(p.item() / 2**30, 2) for p in peaks]
-    return {"seconds": round(seconds, 3), "loss": rec["loss"], "peak_gib_per_rank": gib}
+    out = {"seconds": round(seconds, 3), "loss": rec["loss"], "peak_gib_per_rank": gib}
+    if dist.get_rank() == 0:
+        print(f"step {what}: {json.dumps(out)}", flush=True)
+    return out
+
+
+def is_oom(e: BaseException) -> bool:
+    """An allocation failure, whichever layer reports it (the caching allocator, cuBLAS, a raw CUDA call)."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
 
 
 def make_trainer(model, source, cp=None) -> Trainer:
@@ -120,7 +130,7 @@ def make_trainer(model, source, cp=None) -> Trainer:
     return (ContextParallelTrainer if cp is not None else Trainer)(model, source, config)
 
 
-def phase_dp(args, sizes, device, world, rank) -> dict:
+def phase_dp(args, sizes, device, world, rank, emit) -> None:
     """Data parallel: the same global batch (``batch`` rows of ``seq_len``) on ``world`` ranks, rows split."""
     model = shard_model(build_model(args.smoke, sizes["seq_len"]).to(device), bf16=device.type == "cuda")
     source = RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"])
@@ -128,22 +138,23 @@ def phase_dp(args, sizes, device, world, rank) -> dict:
         raise ValueError(f"global batch {sizes['batch']} is not divisible by {world} ranks")
     trainer = make_trainer(model, ShardedSource(source, rank, world))
     start = time.perf_counter()
-    for _ in range(sizes["warmup"]):
-        timed_step(trainer, device)
+    for i in range(sizes["warmup"]):
+        timed_step(trainer, device, f"warm-up {i}")
+    tokens = sizes["batch"] * sizes["seq_len"]
+    result: dict = {"global_batch_rows": sizes["batch"], "seq_len": sizes["seq_len"], "tokens_per_step": tokens}
     steps: list[dict] = []
     while len(steps) < sizes["steps"]:
         last = steps[-1]["seconds"] if steps else 0.0
         if len(steps) >= 2 and not agree(time.perf_counter() - start + last < args.budget_s, device):
             break
-        steps.append(timed_step(trainer, device))
-    tokens = sizes["batch"] * sizes["seq_len"]
-    seconds = sum(s["seconds"] for s in steps)
-    return {"global_batch_rows": sizes["batch"], "seq_len": sizes["seq_len"], "tokens_per_step": tokens,
-            "timed_steps": len(steps), "tokens_per_s": round(tokens * len(steps) / seconds, 1),
-            "peak_gib_per_rank": steps[-1]["peak_gib_per_rank"], "losses": [s["loss"] for s in steps]}
+        steps.append(timed_step(trainer, device, f"{len(steps)}"))
+        seconds = sum(s["seconds"] for s in steps)
+        result.update(timed_steps=len(steps), tokens_per_s=round(tokens * len(steps) / seconds, 1),
+                      peak_gib_per_rank=steps[-1]["peak_gib_per_rank"], losses=[s["loss"] for s in steps])
+        emit(result)
 
 
-def phase_cp(args, sizes, device, world, rank) -> dict:
+def phase_cp(args, sizes, device, world, rank, emit) -> None:
     """Context parallel: one sequence of ``seq_len`` tokens split along time over all ranks; first a short step
     (kernel compilation, communicator set-up), then up to ``steps`` steps at full length."""
     cp, dp_rank, dp_world = new_context_parallel_groups(world)
@@ -155,7 +166,10 @@ def phase_cp(args, sizes, device, world, rank) -> dict:
     short = ContextParallelSource(RandomTokens(args.vocab, 1, sizes["warmup_len"]), cp, dp_rank, dp_world)
     trainer = make_trainer(model, short, cp)
     start = time.perf_counter()
-    warm = timed_step(trainer, device)
+    result: dict = {"seq_len": sizes["seq_len"], "ranks": world, "tokens_per_rank": sizes["seq_len"] // world,
+                    "activation_checkpointing": args.checkpointing}
+    result["warmup"] = {"seq_len": sizes["warmup_len"], **timed_step(trainer, device, "warm-up")}
+    emit(result)
     trainer.source = ContextParallelSource(RandomTokens(args.vocab, 1, sizes["seq_len"], seed=1), cp, dp_rank,
                                            dp_world)
     steps: list[dict] = []
@@ -163,14 +177,13 @@ def phase_cp(args, sizes, device, world, rank) -> dict:
         last = steps[-1]["seconds"] if steps else 0.0
         if steps and not agree(time.perf_counter() - start + last < args.budget_s, device):
             break
-        steps.append(timed_step(trainer, device))
-    return {"seq_len": sizes["seq_len"], "ranks": world, "tokens_per_rank": sizes["seq_len"] // world,
-            "activation_checkpointing": args.checkpointing, "warmup": {"seq_len": sizes["warmup_len"], **warm},
-            "steps": steps, "tokens_per_s": round(sizes["seq_len"] / steps[-1]["seconds"], 1),
-            "peak_gib_per_rank": steps[-1]["peak_gib_per_rank"]}
+        steps.append(timed_step(trainer, device, f"{sizes['seq_len']} tokens"))
+        result.update(steps=steps, tokens_per_s=round(sizes["seq_len"] / steps[-1]["seconds"], 1),
+                      peak_gib_per_rank=steps[-1]["peak_gib_per_rank"])
+        emit(result)
 
 
-def phase_longest(args, sizes, device, world, rank) -> dict:
+def phase_longest(args, sizes, device, world, rank, emit) -> None:
     """One GPU, one sequence: one step at max_len, then at half the length after each out-of-memory, down to
     ``min_len``; the first length that fits is the longest power-of-two fraction of max_len it holds. After an
     out-of-memory the model, FSDP state and optimizer are rebuilt (nothing half-done carries over)."""
@@ -191,18 +204,27 @@ def phase_longest(args, sizes, device, world, rank) -> dict:
         return make_trainer(model, RandomTokens(args.vocab, 1, L, seed=L))
 
     trainer = fresh(sizes["warmup_len"])
-    warm = timed_step(trainer, device)          # compiles the kernels
     runs: list[dict] = []
-    L, held = sizes["max_len"], None
+    result: dict = {"activation_checkpointing": args.checkpointing, "runs": runs, "longest_held": None,
+                    "note": f"lengths {sizes['max_len']} halved down to {sizes['min_len']}; the first that fits "
+                            "is kept"}
+    result["warmup"] = {"seq_len": sizes["warmup_len"], **timed_step(trainer, device, "warm-up")}
+    emit(result)
+    L = sizes["max_len"]
     while L >= sizes["min_len"]:
         trainer.source = RandomTokens(args.vocab, 1, L, seed=L)
         try:
-            runs.append({"seq_len": L, **timed_step(trainer, device)})
+            runs.append({"seq_len": L, **timed_step(trainer, device, f"{L} tokens")})
             runs[-1]["tokens_per_s"] = round(L / runs[-1]["seconds"], 1)
-            held = L
+            result["longest_held"] = L
+            emit(result)
             break
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
             runs.append({"seq_len": L, "oom": True})
+            emit(result)
+            print(f"out of memory at {L}: {str(e)[:200]}", flush=True)
         # outside the except block, so the failed step's graph and traceback are gone before rebuilding
         del trainer
         gc.collect()
@@ -210,9 +232,6 @@ def phase_longest(args, sizes, device, world, rank) -> dict:
             torch.cuda.empty_cache()
         trainer = fresh(L // 2)
         L //= 2
-    return {"activation_checkpointing": args.checkpointing, "warmup": {"seq_len": sizes["warmup_len"], **warm},
-            "runs": runs, "longest_held": held,
-            "note": f"lengths {sizes['max_len']} halved down to {sizes['min_len']}; the first that fits is kept"}
 
 
 def environment(device: torch.device) -> dict:
@@ -249,7 +268,10 @@ def report(out: str) -> dict:
         summary.update(dp_scaling_efficiency=round(eff, 3), dp_first_loss_rel_diff=abs(a - b) / abs(a))
         rows.append(f"| scaling efficiency 2 GPUs vs 1 | | | {eff:.1%} | | tokens/s(2) / (2 x tokens/s(1)); first "
                     f"timed loss 1 vs 2 GPUs: rel. diff {abs(a - b) / abs(a):.1e} |")
-    if cp:
+    if cp and not cp["result"].get("steps"):
+        rows.append(f"| context parallel, one sequence | {cp['result']['ranks']} | {cp['result']['seq_len']} | "
+                    "not measured | | the phase ended (time limit?) after its warm-up step |")
+    elif cp:
         r = cp["result"]
         times = ", ".join(f"{s['seconds']:.1f}" for s in r["steps"])
         rows.append(f"| context parallel, one sequence | {r['ranks']} | {r['seq_len']} | {r['tokens_per_s']:.0f} | "
@@ -263,7 +285,8 @@ def report(out: str) -> dict:
             else:
                 rows.append(f"| one GPU, one sequence | 1 | {run['seq_len']} | {run['tokens_per_s']:.0f} | "
                             f"{_gib(run['peak_gib_per_rank'])} | step {run['seconds']:.1f} s |")
-        rows.append(f"| one GPU: longest held | 1 | {r['longest_held']} | | | {r['note']} |")
+        held = r["longest_held"] or "none measured"
+        rows.append(f"| one GPU: longest held | 1 | {held} | | | {r['note']} |")
         summary["one_gpu_longest_held"] = r["longest_held"]
     env = next((d["env"] for d in (cp, dp2, dp1, longest) if d), {})
     table = "\n".join(rows)
@@ -303,14 +326,18 @@ def main() -> None:
     rank, world, device = init_distributed()
     if args.smoke:
         torch.set_num_threads(1)
-    try:
-        result = PHASES[args.phase](args, sizes, device, world, rank)
+
+    def emit(result: dict) -> None:
+        """Rank 0 rewrites the phase's JSON after every measurement, so a phase cut by its time limit keeps them."""
         if rank == 0:
             record = {"phase": args.phase, "env": environment(device), "result": result}
             path = os.path.join(args.out, f"{args.phase}-w{world}.json")
-            with open(path, "w") as f:
+            with open(path + ".tmp", "w") as f:
                 json.dump(record, f, indent=2)
-            print(json.dumps(record))
+            os.replace(path + ".tmp", path)
+
+    try:
+        PHASES[args.phase](args, sizes, device, world, rank, emit)
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
