@@ -237,7 +237,9 @@ def phase_longest(args, sizes, device, world, rank, emit) -> None:
 def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "backend": dist.get_backend(), "world": dist.get_world_size()}
     if device.type == "cuda":
-        env.update(device=torch.cuda.get_device_name(device), nccl=".".join(map(str, torch.cuda.nccl.version())))
+        env.update(device=torch.cuda.get_device_name(device), gpus_on_host=torch.cuda.device_count())
+        with contextlib.suppress(Exception):      # a version string is not worth losing a measurement over
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return env
 
 
