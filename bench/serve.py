@@ -2,12 +2,14 @@
 
     python bench/serve.py                      # tiny preset, 16 concurrent requests of 128 prompt + 128 output
     python bench/serve.py --model ./ckpt --requests 32 --concurrency 16 --json out.json
+    python bench/serve.py --device cuda --preset small --dtype bfloat16 --compare-graphs   # GPU, graphs on and off
 
 Starts the real server (python -m kimi_linear.server) on 127.0.0.1, sends a bounded number of streaming
 completions over plain HTTP (httpx; ``ignore_eos`` so every request makes exactly --output-len tokens),
 records time to first token (TTFT) and time per output token (TPOT, (last - first) / (n - 1)) per request, then
 stops the server and runs the baseline: `transformers.KimiLinearForCausalLM.generate`, greedy, one request after
-another on the same checkpoint and the same prompts.
+another on the same checkpoint and the same prompts (on --device, in --dtype). --compare-graphs serves twice,
+with and without CUDA graphs for the decode step.
 """
 
 from __future__ import annotations
@@ -42,21 +44,28 @@ def make_checkpoint(preset: str, path: str) -> None:
     byte_level_tokenizer().save_pretrained(path)
 
 
-def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, args: argparse.Namespace, graphs: bool | None = None) -> tuple[subprocess.Popen, str]:
+    """``graphs``: pass --cuda-graphs / --no-cuda-graphs (None: the server's default)."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "kimi_linear.server", model, "--port", str(port), "--served-model-name", "bench",
-           "--max-num-seqs", str(args.max_num_seqs), "--prefill-chunk", str(args.prefill_chunk)]
+           "--max-num-seqs", str(args.max_num_seqs), "--prefill-chunk", str(args.prefill_chunk),
+           "--device", args.device, "--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if graphs is not None:
+        cmd += ["--cuda-graphs" if graphs else "--no-cuda-graphs"]
+    # stderr kept (a file, not a pipe nobody reads): the start-up line says how many graphs were captured.
+    log = open(os.path.join(tempfile.gettempdir(), f"kl-bench-server-{port}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    log.close()
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
+            raise SystemExit(f"server exited with {proc.returncode} (log: {log.name})")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -132,22 +141,27 @@ def baseline(model_path: str, prompts: list[list[int]], args: argparse.Namespace
 
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
-    m = transformers.KimiLinearForCausalLM.from_pretrained(model_path).eval()
+    kw = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
+    m = transformers.KimiLinearForCausalLM.from_pretrained(model_path, **kw).to(args.device).eval()
+    ids = lambda p: torch.tensor([p], device=args.device)
     recs = []
     with torch.inference_mode():
-        m.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False)   # warm-up
+        m.generate(ids(prompts[0][:8]), max_new_tokens=2, do_sample=False)   # warm-up
         t = time.perf_counter()
         for p in prompts[: args.baseline_requests]:
             st = _Stamps()
             t0 = time.perf_counter()
-            m.generate(torch.tensor([p]), max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+            m.generate(ids(p), max_new_tokens=args.output_len, min_new_tokens=args.output_len,
                        do_sample=False, streamer=st)
             recs.append((t0, st.t))
         wall = time.perf_counter() - t
+    del m
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return summarize(recs, wall)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: a fresh random --preset one)")
     ap.add_argument("--preset", default="tiny")
@@ -160,8 +174,12 @@ def main() -> None:
     ap.add_argument("--baseline-requests", type=int, default=4,
                     help="requests the sequential baseline runs (its tokens/s does not depend on the count)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the server and the baseline run (cpu, cuda)")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (= the checkpoint's)")
+    ap.add_argument("--compare-graphs", action="store_true",
+                    help="serve twice: with CUDA graphs for decode steps and without (GPU)")
     ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.requests > 256 or args.concurrency > 256:
         raise SystemExit("bounded load test: at most 256 requests / 256 concurrent")
     with tempfile.TemporaryDirectory(prefix="kl-bench-") as tmp:
@@ -171,25 +189,33 @@ def main() -> None:
             make_checkpoint(args.preset, model)
         rng = random.Random(0)
         prompts = [[rng.randrange(256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-        proc, url = start_server(model, args)
-        try:
-            served = asyncio.run(load(url, prompts, args))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        servers: dict[str, dict] = {}
+        variants = [("kimi-linear serve, CUDA graphs", True), ("kimi-linear serve, no CUDA graphs", False)] \
+            if args.compare_graphs else [("kimi-linear serve", None)]
+        for name, graphs in variants:
+            proc, url = start_server(model, args, graphs)
+            try:
+                servers[name] = asyncio.run(load(url, prompts, args))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        served = servers[variants[0][0]]
         # The baseline at 1 thread and at torch's default; the faster one counts (on a shared machine, OpenMP's
-        # default thread count can be much slower than 1 thread).
+        # default thread count can be much slower than 1 thread). On a GPU the thread count hardly matters.
         default_threads = args.threads or torch.get_num_threads()
-        bases = {t: baseline(model, prompts, args, t) for t in sorted({1, default_threads})}
+        threads = {default_threads} if args.device != "cpu" else {1, default_threads}
+        bases = {t: baseline(model, prompts, args, t) for t in sorted(threads)}
         best_t = max(bases, key=lambda t: bases[t]["out_tok_per_s"])
         base = bases[best_t]
     speedup = served["out_tok_per_s"] / base["out_tok_per_s"]
     print(f"# {args.requests} requests x ({args.prompt_len} prompt + {args.output_len} output), concurrency "
-          f"{args.concurrency}, preset/model {args.model or args.preset}; {platform.processor() or platform.machine()}"
-          f", {os.cpu_count()} CPUs, torch {torch.__version__}; server torch threads: {args.threads or 'default - 1'}")
+          f"{args.concurrency}, preset/model {args.model or args.preset}, dtype {args.dtype}, device {args.device}"
+          f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+          f"server torch threads: {args.threads or 'default - 1'}")
     print("| | requests/s | output tok/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) |")
     print("|---|---:|---:|---|---|")
-    rows = [("kimi-linear serve", served)] + [
+    rows = list(servers.items()) + [
         (f"transformers generate, sequential, {t} thread{'s' if t > 1 else ''}{' (baseline)' if t == best_t else ''}",
          r) for t, r in bases.items()]
     for name, r in rows:
@@ -197,10 +223,12 @@ def main() -> None:
               f"{r['ttft_p90']:.3f} / {r['ttft_p99']:.3f} | {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p90'] * 1e3:.1f} / "
               f"{r['tpot_p99'] * 1e3:.1f} |")
     print(f"\noutput tokens/s speed-up: {speedup:.2f}x (goal >= 4x)")
+    result = dict(args=vars(args), served=served, servers=servers, baselines=bases, baseline_threads=best_t,
+                  speedup=speedup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), served=served, baselines=bases, baseline_threads=best_t, speedup=speedup),
-                      f, indent=1)
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":
