@@ -3,9 +3,10 @@
     kimi-linear init ./tiny --preset tiny            # random checkpoint + byte-level tokenizer, no downloads
     kimi-linear info ./tiny --context 1048576        # parameters, layer layout, cache bytes per sequence
     kimi-linear info kimi-linear-48b                 # the same for a preset's shape, no files needed
-    kimi-linear generate ./tiny --prompt "Hello"     # stream tokens (greedy; --temperature > 0 samples)
+    kimi-linear generate "def fibonacci(n):"         # the small model shipped with the package, offline
+    kimi-linear generate -m ./tiny "Hello"           # any checkpoint (greedy; --temperature > 0 samples)
     kimi-linear train --task mqar --out runs/mqar    # train (synthetic tasks or the offline stdlib corpus)
-    kimi-linear serve --model ./tiny                 # OpenAI-compatible server on 127.0.0.1
+    kimi-linear serve ./tiny                         # OpenAI-compatible server on 127.0.0.1 (default: shipped model)
     echo "Hello" | kimi-linear generate ./Kimi-Linear-48B-A3B-Instruct --max-new-tokens 64
 """
 
@@ -89,6 +90,33 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ generate
+def default_model_dir_or_none() -> str | None:
+    from kimi_linear.model.default import DefaultModelMissing, default_model_dir
+
+    try:
+        return default_model_dir()
+    except DefaultModelMissing:
+        return None
+
+
+def generate_inputs(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(checkpoint directory, prompt or None for stdin) from ``generate``'s arguments.
+
+    ``generate "PROMPT"`` and ``generate --model DIR "PROMPT"`` take the text as the prompt; the older form
+    ``generate DIR [--prompt P]`` takes it as the checkpoint when it names a directory (or when --prompt is given as
+    well). Without a directory the shipped default model is used (:mod:`kimi_linear.model.default`)."""
+    from kimi_linear.model.default import resolve_model
+
+    text = args.text
+    if args.model is not None:
+        if text is not None and args.prompt is not None:
+            raise ValueError(f"two prompts: {text!r} and --prompt {args.prompt!r}; give one")
+        return args.model, text if text is not None else args.prompt
+    if text is not None and (os.path.isdir(text) or args.prompt is not None):
+        return text, args.prompt                       # older form: generate DIR --prompt ...
+    return resolve_model(None), text if text is not None else args.prompt
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
@@ -97,17 +125,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kimi_linear.model.tokenizer import load_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never reach out
-    if not os.path.isdir(args.path):
-        print(f"error: checkpoint directory {args.path!r} does not exist", file=sys.stderr)
+    path, prompt = generate_inputs(args)
+    if not os.path.isdir(path):
+        print(f"error: checkpoint directory {path!r} does not exist", file=sys.stderr)
         return 2
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    shipped = path == default_model_dir_or_none()
+    dtype = "float32" if shipped and args.dtype == "auto" else args.dtype  # bf16 files; float32 decodes faster
+    prompt = prompt if prompt is not None else sys.stdin.read()
     if not prompt:
         print("error: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = load_tokenizer(args.path)
-    model = KimiLinearForCausalLM.from_pretrained(args.path, dtype=args.dtype, progress=True)
+    tok = load_tokenizer(path)
+    model = KimiLinearForCausalLM.from_pretrained(path, dtype=dtype, progress=not shipped)
     if args.chat and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                        add_generation_prompt=True)
@@ -135,12 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kimi-linear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{init,info,generate,train,serve}")
 
-    g = sub.add_parser("generate", help="generate text from a checkpoint directory, streaming tokens",
-                       description="Generate a continuation of a prompt (--prompt, or stdin). Greedy by default; "
-                       "--temperature > 0 samples (with --top-p / --top-k, reproducible with --seed).")
-    g.add_argument("path", help="checkpoint directory (config.json, safetensors, tokenizer files)")
-    g.add_argument("--prompt", "-p", help="prompt text (default: read stdin)")
-    g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    g = sub.add_parser("generate", help="generate text (default: the small model shipped with the package)",
+                       description="Generate a continuation of a prompt, streaming tokens. Greedy by default; "
+                       "--temperature > 0 samples (with --top-p / --top-k, reproducible with --seed). Without "
+                       "--model the small Kimi Linear model shipped with the package is used (trained on Python "
+                       "source), offline: kimi-linear generate \"def fibonacci(n):\"",
+                       epilog="The older form `kimi-linear generate DIR --prompt TEXT` still works: a first "
+                       "argument naming an existing directory is the checkpoint.")
+    g.add_argument("text", nargs="?", metavar="PROMPT",
+                   help="the prompt (default: --prompt, else stdin); or a checkpoint directory (older form)")
+    g.add_argument("--model", "-m", help="checkpoint directory (config.json, safetensors, tokenizer files); "
+                   "default: the shipped model")
+    g.add_argument("--prompt", "-p", help="prompt text (default: the PROMPT argument, else stdin)")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
