@@ -3,17 +3,22 @@
 #     bash bench/distributed.sh OUT            # then read the table it prints, or OUT/summary.json
 #     bash bench/distributed.sh OUT --smoke    # the same path on CPU with gloo and tiny sizes (the test runs this)
 # Each phase is its own torchrun launch with a hard timeout (a phase that overruns is cut, the others still run);
-# inside, each phase keeps to a softer --budget-s. Limits in seconds (GPU): dp on 1 GPU 120 (includes compiling the
-# Triton kernels), dp on 2 GPUs 60, context parallel 1M 180, one-GPU longest sequence 150: 510 in all (the report
-# takes seconds), so one call of 10 minutes holds it even when every phase runs to its limit.
+# inside, each phase keeps to a softer --budget-s, and rank 0 rewrites OUT/<phase>.json after every measurement.
+# Limits in seconds (GPU): dp on 1 GPU 120 (includes compiling the Triton kernels), dp on 2 GPUs 60, context
+# parallel 1M 170, one-GPU longest sequence 140: 490 in all (+10 s grace each, the report takes seconds), so one
+# call of 10 minutes holds it even when every phase runs to its limit.
 set -u
 OUT=${1:?usage: bash bench/distributed.sh OUT [--smoke]}
 shift
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}   # long sequences: less fragmentation
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# NVLink multicast stays off on the shared GPU hosts (it can take the host's GPUs out of service): keep it off here too.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=$(command -v python3 || command -v python)
 SMOKE=0
 for a in "$@"; do [ "$a" = "--smoke" ] && SMOKE=1; done
 
@@ -21,7 +26,7 @@ phase() {  # phase NPROC HARD_LIMIT SOFT_BUDGET NAME [args...]
     local n=$1 hard=$2 soft=$3
     shift 3
     echo "=== $* on $n rank(s), limit ${hard}s" | tee -a "$OUT/log.txt"
-    timeout --kill-after=15 "$hard" python -m torch.distributed.run --standalone --nproc-per-node "$n" \
+    timeout --kill-after=10 "$hard" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
         bench/distributed.py "$@" --out "$OUT" --budget-s "$soft" >>"$OUT/log.txt" 2>&1
     echo "=== exit $? after $SECONDS s in all" | tee -a "$OUT/log.txt"
 }
@@ -34,7 +39,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     phase 1 120 95 dp "$@"
     phase 2 60 40 dp "$@"
-    phase 2 180 120 cp "$@"
-    phase 1 150 140 longest "$@"
+    phase 2 170 110 cp "$@"
+    phase 1 140 140 longest "$@"
 fi
-python bench/distributed.py report --out "$OUT" | tee "$OUT/table.md"
+"$PY" bench/distributed.py report --out "$OUT" | tee "$OUT/table.md"
