@@ -6,11 +6,12 @@
 (a) Correctness, on a random `small` checkpoint in float32 and in bfloat16: N greedy requests of mixed prompt and
     output lengths (more than --max-num-seqs, so rows join and leave) through the engine with CUDA graphs, without,
     and one by one through ``model.generate``. With graphs the pools' scratch slot and block (what padding rows
-    read) are filled with NaN first. float32 must give identical tokens in all three; bfloat16 is reported (its
-    rounding differs between batch shapes, so a near-tie may flip a token). Then a captured graph is checked
-    directly: three rows padded to a batch of 4 change nothing outside their own slots and next latent positions
-    (bit for bit), a replay with NaN in the scratch rows gives bit-identical real rows, and the eager step from the
-    same state agrees to rounding.
+    read) are filled with NaN first. float32 must give identical tokens in all three, except where the reference's
+    top two log-probs are within --tie (1e-4) at the first different token: rounding of a different batch shape
+    may flip such a near-tie, which is counted and shown, not failed. bfloat16 is reported only. Then a captured
+    graph is checked directly: three rows padded to a batch of 4 change nothing outside their own slots and next
+    latent positions (bit for bit), a replay with NaN in the scratch rows gives bit-identical real rows, and the
+    eager step from the same state agrees to rounding.
 (b) Decode speed, bfloat16: engine steps (decode only, every row past its prompt) at batch 1, 16 and 64, with and
     without graphs: tokens/s and per-step latency (end to end: scheduling, one forward, sampling, emitting), and
     the bare graph replay.
@@ -52,9 +53,13 @@ def load_model(path: str, dtype: str, device: str) -> KimiLinearForCausalLM:
     return KimiLinearForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), device=device).eval()
 
 
+Run = tuple[list[list[int]], list[list[float]], list[list[float]]]     # tokens, their log-probs, top-2 gaps
+
+
 def run_engine(model: KimiLinearForCausalLM, cfg: EngineConfig, reqs: list[tuple[list[int], int]],
-               nan_scratch: bool = False) -> tuple[list[list[int]], list[list[float]], LLMEngine]:
-    """Greedy tokens and their log-probs per request (ignore_eos: exactly the asked number of tokens)."""
+               nan_scratch: bool = False) -> tuple[Run, LLMEngine]:
+    """Greedy tokens, their log-probs and the top-2 log-prob gaps per request (ignore_eos: exactly the asked
+    number of tokens)."""
     engine = LLMEngine(model, cfg)
     if nan_scratch:
         assert engine.graphs is not None
@@ -62,34 +67,53 @@ def run_engine(model: KimiLinearForCausalLM, cfg: EngineConfig, reqs: list[tuple
             t[-1] = float("nan")
     toks: list[list[int]] = [[] for _ in reqs]
     lps: list[list[float]] = [[] for _ in reqs]
+    gaps: list[list[float]] = [[] for _ in reqs]
 
     def sink(i: int):
         def f(o):
             toks[i].extend(o.token_ids)
             lps[i].extend(lp for _, lp, _ in o.logprobs)
+            gaps[i].extend(alts[0][1] - alts[1][1] for _, _, alts in o.logprobs)
         return f
 
     for i, (p, n) in enumerate(reqs):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0),
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2),
                            sink(i))
     while engine.has_work():
         engine.step()
-    return toks, lps, engine
+    return (toks, lps, gaps), engine
 
 
-def single(model: KimiLinearForCausalLM, reqs: list[tuple[list[int], int]]) -> list[list[int]]:
-    out = []
+def single(model: KimiLinearForCausalLM, reqs: list[tuple[list[int], int]]) -> Run:
+    """Each request alone through ``model.generate`` (greedy)."""
+    toks, lps, gaps = [], [], []
     for p, n in reqs:
-        ids = model.generate(torch.tensor([p], device=model.device), max_new_tokens=n, eos_token_id=None)
-        out.append(ids[0, len(p):].tolist())
-    return out
+        ids, logits = model.generate(torch.tensor([p], device=model.device), max_new_tokens=n, eos_token_id=None,
+                                     return_logits=True)
+        t = ids[0, len(p):].tolist()
+        lp = [lg[0].float().log_softmax(-1) for lg in logits]
+        top = [x.topk(2).values.tolist() for x in lp]
+        toks.append(t)
+        lps.append([float(x[i]) for x, i in zip(lp, t)])
+        gaps.append([a - b for a, b in top])
+    return toks, lps, gaps
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    same = sum(x == y for x, y in zip(a, b))
-    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / max(1, len(x))
-              for x, y in zip(a, b)]
-    return dict(identical=same, of=len(a), mean_common_prefix=statistics.mean(prefix))
+def agreement(a: Run, ref: Run, tie: float) -> dict:
+    """How many requests have identical tokens; of the others, how many first differ where ``ref``'s top two
+    log-probs are within ``tie`` (a near-tie that rounding may flip) and how many do not (real mismatches)."""
+    same = ties = 0
+    worst = []
+    for x, y, g in zip(a[0], ref[0], ref[2]):
+        i = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if i is None:
+            same += 1
+        elif g[i] < tie:
+            ties += 1
+        else:
+            worst.append(g[i])
+    return dict(identical=same, near_tie_flips=ties, mismatches=len(worst), of=len(a[0]),
+                mismatch_gaps=sorted(worst)[:5])
 
 
 def max_lp_diff(a: list[list[float]], b: list[list[float]], ta: list[list[int]], tb: list[list[int]]) -> float:
@@ -165,13 +189,14 @@ def part_a(ckpt: str, args: argparse.Namespace) -> tuple[dict, bool]:
         model = load_model(ckpt, dtype, args.device)
         cfg = dict(max_num_seqs=args.max_num_seqs, prefill_chunk=64, num_blocks=64 * args.max_num_seqs)
         t = time.perf_counter()
-        tg, lg, eg = run_engine(model, EngineConfig(cuda_graphs=True, **cfg), reqs, nan_scratch=True)
+        rg, eg = run_engine(model, EngineConfig(cuda_graphs=True, **cfg), reqs, nan_scratch=True)
         t_g = time.perf_counter() - t
-        te, le, ee = run_engine(model, EngineConfig(cuda_graphs=False, **cfg), reqs)
-        ts = single(model, reqs)
+        re_, ee = run_engine(model, EngineConfig(cuda_graphs=False, **cfg), reqs)
+        rs = single(model, reqs)
         assert eg.graphs is not None
-        r = dict(graph_vs_eager=agreement(tg, te), graph_vs_single=agreement(tg, ts),
-                 eager_vs_single=agreement(te, ts), logprob_max_abs_diff_graph_vs_eager=max_lp_diff(lg, le, tg, te),
+        r = dict(graph_vs_eager=agreement(rg, re_, args.tie), graph_vs_single=agreement(rg, rs, args.tie),
+                 eager_vs_single=agreement(re_, rs, args.tie),
+                 logprob_max_abs_diff_graph_vs_eager=max_lp_diff(rg[1], re_[1], rg[0], re_[0]),
                  graph_decode_forwards=eg.counters["graph_decode_forwards"],
                  decode_forwards=eg.counters["decode_forwards"],
                  graphs_captured=len(eg.graphs.steps), capture_s=eg.graphs.capture_seconds, graph_run_s=t_g,
@@ -181,8 +206,8 @@ def part_a(ckpt: str, args: argparse.Namespace) -> tuple[dict, bool]:
         hard = [eg.graphs.broken is None, r["graph_decode_forwards"] > 0, iso["outside_unchanged"],
                 iso["nan_scratch_bit_identical"]]
         if dtype == "float32":
-            hard += [r["graph_vs_eager"]["identical"] == len(reqs), r["graph_vs_single"]["identical"] == len(reqs),
-                     r["logprob_max_abs_diff_graph_vs_eager"] < 1e-3, iso["eager_max_abs_diff"] < 1e-3]
+            hard += [r[k]["mismatches"] == 0 for k in ("graph_vs_eager", "graph_vs_single", "eager_vs_single")]
+            hard += [r["logprob_max_abs_diff_graph_vs_eager"] < 1e-3, iso["eager_max_abs_diff"] < 1e-3]
         r["pass"] = all(hard)
         ok &= r["pass"] if dtype == "float32" else all(hard[:4])
         res[dtype] = r
@@ -195,7 +220,7 @@ def part_a(ckpt: str, args: argparse.Namespace) -> tuple[dict, bool]:
           "graph decode forwards | graphs (capture s) | padding isolation (bucket) | eager vs graph logits | pass |")
     print("|---|---|---|---|---:|---|---|---|---:|---|")
     for dtype, r in res.items():
-        f = lambda a: f"{a['identical']}/{a['of']} (prefix {a['mean_common_prefix']:.0%})"
+        f = lambda a: f"{a['identical']}/{a['of']} (ties {a['near_tie_flips']}, other {a['mismatches']})"
         iso = r["isolation"]
         print(f"| {dtype} | {f(r['graph_vs_eager'])} | {f(r['graph_vs_single'])} | {f(r['eager_vs_single'])} | "
               f"{r['logprob_max_abs_diff_graph_vs_eager']:.2e} | {r['graph_decode_forwards']}/{r['decode_forwards']} | "
@@ -292,6 +317,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny preset and sizes (checks the script on CPU)")
     ap.add_argument("--parts", default="abc", help="which parts to run (default abc)")
+    ap.add_argument("--tie", type=float, default=1e-4,
+                    help="top-2 log-prob gap under which a float32 token flip counts as a near-tie (default 1e-4)")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.dtypes, args.speed_dtype = "tiny", ["float32", "bfloat16"], "float32"
