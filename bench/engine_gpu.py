@@ -328,26 +328,31 @@ def main() -> int:
                      "--prompt-len", "16", "--output-len", "6", "--baseline-requests", "1", "--prefill-chunk", "64"]
     else:
         args.preset, args.dtypes, args.speed_dtype = "small", ["float32", "bfloat16"], "bfloat16"
-        args.requests, args.max_prompt, args.max_new, args.max_num_seqs = 40, 400, 48, 16
+        args.requests, args.max_prompt, args.max_new, args.max_num_seqs = 32, 320, 40, 16
         args.batches, args.prompt_len, args.warmup, args.steps, args.graph_max_len = [1, 16, 64], 128, 3, 64, 2048
         load_argv = ["--preset", "small", "--requests", "64", "--concurrency", "64", "--max-num-seqs", "64",
-                     "--prompt-len", "128", "--output-len", "128", "--baseline-requests", "4", "--dtype", "bfloat16"]
+                     "--prompt-len", "128", "--output-len", "128", "--baseline-requests", "3", "--dtype", "bfloat16"]
     os.makedirs(args.out, exist_ok=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# engine on {args.device} ({dev}), torch {torch.__version__}, preset {args.preset}")
     ok = True
+    t0 = time.perf_counter()
+    took = lambda part: print(f"\n({part} done at {time.perf_counter() - t0:.0f} s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="kl-engine-gpu-") as tmp:
         ckpt = os.path.join(tmp, args.preset)
         serve_bench.make_checkpoint(args.preset, ckpt)
         if "a" in args.parts:
             res, ok = part_a(ckpt, args)
             write_json(os.path.join(args.out, "a_correctness.json"), res)
+            took("a")
         if "b" in args.parts:
             write_json(os.path.join(args.out, "b_decode_speed.json"), part_b(ckpt, args))
+            took("b")
         if "c" in args.parts:
             print("\n## (c) load test (bench/serve.py)\n", flush=True)
             serve_bench.main([*load_argv, "--device", args.device, "--compare-graphs", "--model", ckpt,
                               "--json", os.path.join(args.out, "c_load_test.json")])
+            took("c")
     print(f"\n(a) hard checks: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
