@@ -1,31 +1,118 @@
-"""Triton chunk_kda gradients under the interpreter (CPU)."""
+"""Triton chunk_kda gradients under the interpreter (CPU) against the float64 reference.
+
+The pipeline forward's backward is Triton (chunk_bwd.py, after recomputing the forward's pieces); the PyTorch
+recompute stays as the fallback (``KIMI_LINEAR_CHUNK_BWD=torch``). Every buffer the kernels allocate is NaN-poisoned.
+The loss weighs the output and the final state with fixed random cotangents, so the final state's gradient (dht)
+flows in too. Bars: float32 1e-4 (A_log's gradient is a sum over every token and channel), bf16 2e-2.
+"""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kimi_linear.ops import chunk_kda as torch_chunk_kda  # noqa: E402
+from kimi_linear.ops.gate import KernelOptions  # noqa: E402
 from kimi_linear.ops.triton import chunk_kda  # noqa: E402
 
 from .kda_cases import loss_weights, make_inputs, rel_err  # noqa: E402
-from .triton_cases import poison_empty  # noqa: E402, F401  (autouse fixture)
+from .triton_cases import poison_empty, reference_grads  # noqa: E402, F401  (autouse fixture)
+
+NO_OPTIONS = KernelOptions()
 
 
-def test_gradients_through_recompute_match_pytorch():
-    """Differentiable calls run the Triton forward and a recomputed PyTorch backward: every input's gradient."""
-    x = make_inputs(B=1, T=40, H=1, HV=2, K=32, V=16, raw=True, seed=36)
-    A_log, dt_bias = torch.randn(2), torch.randn(2 * 32)
-    leaves = lambda: {n: t.detach().clone().requires_grad_() for n, t in
-                      dict(x, A_log=A_log, dt_bias=dt_bias).items()}
-    grads = []
-    for fn in (chunk_kda, torch_chunk_kda):
-        p = leaves()
-        o, S = fn(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=p["initial_state"],
-                  output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=True, A_log=p["A_log"], dt_bias=p["dt_bias"])
-        loss = (o.double() * loss_weights(o.shape)).sum() + (S.double() * loss_weights(S.shape, 2)).sum()
-        loss.backward()
-        grads.append({n: t.grad for n, t in p.items()})
-    for n in grads[1]:
-        assert rel_err(grads[0][n], grads[1][n]) < 1e-4, n
+def gate_opts(HV, K, lower_bound=None, neg_eigval=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV * K, generator=gen))
+    return KernelOptions(True, True, True, neg_eigval, params["A_log"], params["dt_bias"], lower_bound), params
+
+
+def check(x, opts=NO_OPTIONS, params=None, bar=1e-4, cu_seqlens=None, final_state=True, only=None):
+    """Triton gradients vs the float64 reference for every tensor (or only those named in ``only``)."""
+    names = [n for n, t in dict(x, **(params or {})).items() if t is not None and (only is None or n in only)]
+    leaves = {n: (None if t is None else t.detach().clone().requires_grad_(n in names))
+              for n, t in dict(x, **(params or {})).items()}
+    kw = opts.kwargs()
+    if params:
+        kw.update(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+    o, S = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                     initial_state=leaves["initial_state"], output_final_state=final_state, cu_seqlens=cu_seqlens,
+                     **kw)
+    B, T, HV, V = o.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    w = (loss_weights(o.shape), loss_weights((N, HV, x["q"].shape[-1], V), 2) * (1.0 if final_state else 0.0))
+    loss = (o.double() * w[0]).sum()
+    if final_state:
+        loss = loss + (S.double() * w[1]).sum()
+    loss.backward()
+    ref = reference_grads(x, opts, w, cu_seqlens, params)
+    for n in leaves:
+        if n not in names:
+            assert leaves[n] is None or leaves[n].grad is None, n
+            continue
+        got = leaves[n].grad
+        assert got.dtype == leaves[n].dtype and got.shape == leaves[n].shape, n
+        if ref[n].norm() == 0:
+            # Exactly zero in exact arithmetic (a gate of -1000 erases the dependence): what is left is float32
+            # residue of terms that cancel (a row's and a column's share of the same exponent).
+            assert got.norm() < 1e-6, (n, got.norm())
+            continue
+        assert rel_err(got, ref[n]) < bar, (n, rel_err(got, ref[n]))
+
+
+def test_float32_gva_initial_state():
+    check(make_inputs(B=2, T=70, H=1, HV=2, K=32, V=16, seed=41))
+
+
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_in_kernel_options_bf16(gate):
+    """Gradients through l2norm, the gate formula (into A_log and dt_bias) and the beta sigmoid; GVA."""
+    x = make_inputs(B=1, T=70, H=1, HV=2, K=32, V=32, raw=True, dtype=torch.bfloat16, seed=42)
+    opts, params = gate_opts(2, 32, -5.0 if gate == "lower_bound" else None, neg_eigval=gate == "softplus")
+    check(x, opts, params, bar=2e-2)
+
+
+def test_in_kernel_options_float32_storage():
+    """bf16 inputs with float32 intermediates (``LaunchConfig(store="float32")``) through the autograd Function."""
+    from kimi_linear.ops.triton.chunk import ChunkKDAFunction
+    from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
+
+    x = make_inputs(B=1, T=40, H=1, HV=2, K=32, V=16, raw=True, dtype=torch.bfloat16, seed=43)
+    opts, params = gate_opts(2, 32)
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in dict(x, **params).items()}
+    opts_l = KernelOptions(True, True, True, False, leaves["A_log"], leaves["dt_bias"], None)
+    o, S = ChunkKDAFunction.apply(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                  leaves["initial_state"], leaves["A_log"], leaves["dt_bias"], 32 ** -0.5, True,
+                                  opts_l, None, "pipeline", LaunchConfig(store="float32"))
+    w = (loss_weights(o.shape), loss_weights(S.shape, 2))
+    ((o.double() * w[0]).sum() + (S.double() * w[1]).sum()).backward()
+    ref = reference_grads(x, opts, w, None, params)
+    for n, t in leaves.items():
+        assert rel_err(t.grad, ref[n]) < 2e-2, n
+
+
+@pytest.mark.parametrize("T", [1, 130])
+def test_extreme_gates(T):
+    """Gates of -1000 (the first step and every 7th) and exactly 0: finite, float32-accurate gradients (the
+    initial state's is exactly zero at the first -1000 step)."""
+    x = make_inputs(B=1, T=T, H=1, K=32, V=16, strong_decay=True, seed=44)
+    x["g"][:, 0] = -1000.0
+    check(x)
+
+
+def test_varlen_empty_and_length_one_sequences_bf16():
+    cu = torch.tensor([0, 1, 1, 70, 71, 90])
+    check(make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, dtype=torch.bfloat16, seed=45), bar=2e-2,
+          cu_seqlens=cu)
+
+
+def test_no_initial_state_no_final_state_odd_widths_some_inputs():
+    """K, V not powers of two; no initial state; output only (no dht); gradients asked for q and g only."""
+    x = make_inputs(B=2, T=20, K=24, V=20, seed=46, initial_state=False)
+    check(x, final_state=False, only=("q", "g"))
+
+
+def test_pytorch_recompute_fallback(monkeypatch):
+    monkeypatch.setenv("KIMI_LINEAR_CHUNK_BWD", "torch")
+    x = make_inputs(B=1, T=40, H=1, HV=2, K=32, V=16, raw=True, seed=47)
+    opts, params = gate_opts(2, 32)
+    check(x, opts, params)

@@ -8,8 +8,9 @@ Forward implementations (``impl``; the default is ``KIMI_LINEAR_CHUNK_IMPL`` fro
 - "fused" / "split": the first Triton forward, kept selectable until the GPU numbers decide between them: part 1
   in one kernel (chunk_intra.py) or two (chunk_split.py), then a scan that also writes the output (chunk_scan.py).
 
-Backward: a differentiable call runs the Triton forward and, in backward, recomputes the forward with the PyTorch
-chunkwise path and differentiates that (correct, and it holds no per-chunk state between forward and backward).
+Backward (:class:`ChunkKDAFunction`): after the pipeline forward, the pipeline's Triton backward, which recomputes
+the forward's intermediates (nothing per chunk is held between forward and backward). After the first forward, or
+with ``KIMI_LINEAR_CHUNK_BWD=torch``: the PyTorch chunkwise path, recomputed and differentiated.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..checks import KDAShape, check_gate_params
 from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
 from .chunk_intra import chunk_kda_fwd_intra_kernel
-from .chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_fwd_pipeline
+from .chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
 from .chunk_scan import chunk_kda_fwd_scan_kernel
 from .chunk_split import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
@@ -158,18 +159,50 @@ def chunk_kda_fwd(
     return o, ht
 
 
+def default_backward() -> str:
+    bwd = os.environ.get("KIMI_LINEAR_CHUNK_BWD", "triton")
+    if bwd not in ("triton", "torch"):
+        raise ValueError(f"KIMI_LINEAR_CHUNK_BWD must be 'triton' or 'torch', got {bwd!r}")
+    return bwd
+
+
 class ChunkKDAFunction(torch.autograd.Function):
-    """Triton forward; backward by recomputing the PyTorch chunkwise path and differentiating it."""
+    """Triton forward. Backward: the pipeline's Triton kernels (chunk_pipeline.py) when the forward is the pipeline
+    and ``KIMI_LINEAR_CHUNK_BWD`` is not "torch"; otherwise the PyTorch chunkwise path, recomputed and
+    differentiated (the reference and the fallback)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, scale, output_final_state, opts, cu_seqlens):
-        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens)
+    def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, scale, output_final_state, opts, cu_seqlens,
+                impl, cfg):
+        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens,
+                              impl=impl, cfg=cfg)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
-        ctx.scale, ctx.opts = scale, opts
+        ctx.scale, ctx.opts, ctx.impl, ctx.cfg = scale, opts, impl, cfg
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
+        if ctx.impl == "pipeline" and default_backward() == "triton":
+            dx = ChunkKDAFunction._triton_backward(ctx, do, dht)
+        else:
+            dx = ChunkKDAFunction._recompute_backward(ctx, do, dht)
+        dx = [d if need else None for d, need in zip(dx, ctx.needs_input_grad[:8])]
+        return (*dx, None, None, None, None, None, None)
+
+    @staticmethod
+    def _triton_backward(ctx, do, dht):
+        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+        opts = ctx.opts
+        if opts.use_gate_in_kernel:                                # the saved (autograd-tracked) parameters
+            opts = KernelOptions(opts.use_qk_l2norm_in_kernel, True, opts.use_beta_sigmoid_in_kernel,
+                                 opts.allow_neg_eigval, A_log, dt_bias, opts.lower_bound)
+        r = chunk_kda_bwd_pipeline(q, k, v, g, beta, ctx.scale, h0, opts, cu_seqlens, do.contiguous(),
+                                   None if dht is None else dht.float().contiguous(), ctx.cfg)
+        dh0 = None if r.dh0 is None else r.dh0.to(h0.dtype)
+        return [r.dq, r.dk, r.dv, r.dg, r.dbeta, dh0, r.dA_log, r.ddt_bias]
+
+    @staticmethod
+    def _recompute_backward(ctx, do, dht):
         q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
         leaves = [x.detach().requires_grad_(need) if x is not None else None
                   for x, need in zip((q, k, v, g, beta, h0, A_log, dt_bias), ctx.needs_input_grad[:8])]
@@ -189,8 +222,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             wrt = [x for x in leaves if x is not None and x.requires_grad]
             got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
         dx = [next(got) if x is not None and x.requires_grad else None for x in leaves]
-        dx = [None if d is None else d.to(x.dtype) for d, x in zip(dx, (q, k, v, g, beta, h0, A_log, dt_bias))]
-        return (*dx, None, None, None, None)
+        return [None if d is None else d.to(x.dtype) for d, x in zip(dx, (q, k, v, g, beta, h0, A_log, dt_bias))]
 
 
 def chunk_kda(
@@ -226,6 +258,7 @@ def chunk_kda(
         initial_state = initial_state.contiguous()
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens)
+        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens, default_impl(),
+                                       DEFAULT_CONFIG)
         return o, (ht if output_final_state else None)
     return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens)

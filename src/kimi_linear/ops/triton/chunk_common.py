@@ -46,29 +46,32 @@ def cast(b_x, dtype: tl.constexpr):
 
 
 @triton.jit
-def tf32_operand(b_x):
-    """What a tf32 tensor-core product sees of a float32 operand: the low 13 mantissa bits dropped (interpreter
-    only: there tl.dot multiplies in full float32, which would hide tf32's error from the tests)."""
-    return (b_x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+def tf32_round(b_x):
+    """float32 -> the nearest tf32 value (10 mantissa bits, ties to even), still as float32. A tf32 product
+    *truncates* its float32 operands (Triton 3.6 on Hopper: the low 13 bits are ignored), which biases every
+    product towards zero; sums of many such products (dA_log) then drift by percents. Rounding first makes the
+    truncation exact."""
+    b_u = b_x.to(tl.uint32, bitcast=True)
+    b_u = b_u + 0xFFF + ((b_u >> 13) & 1)
+    return ((b_u >> 13) << 13).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def mm(b_a, b_b, PREC: tl.constexpr):
     """``b_a @ b_b`` with float32 accumulation. ``b_b`` is converted to ``b_a``'s dtype; 16-bit operands go to the
-    tensor cores as they are, float32 operands use ``PREC`` ("tf32" or "ieee"). Under the interpreter the same
-    numbers are formed explicitly (its bf16 dot is broken and its tf32 is exact float32)."""
+    tensor cores as they are; float32 operands are exact products with ``PREC="ieee"`` (CUDA cores) or "tf32x3"
+    (three tf32 products, about float32's accuracy), or with "tf32" rounded to tf32 first (see
+    :func:`tf32_round`). Under the interpreter the same numbers are formed explicitly (its bf16 dot is broken and
+    it has no tf32; tf32x3 is taken as exact)."""
     if b_a.dtype == tl.float32:
         b_b = b_b.to(tl.float32)
+        if PREC == "tf32":
+            b_a = tf32_round(b_a)
+            b_b = tf32_round(b_b)
     else:
         b_b = cast(b_b, b_a.dtype)
     if INTERPRET:
-        b_a32 = b_a.to(tl.float32)
-        b_b32 = b_b.to(tl.float32)
-        if b_a.dtype == tl.float32:
-            if PREC == "tf32":
-                b_a32 = tf32_operand(b_a32)
-                b_b32 = tf32_operand(b_b32)
-        return tl.dot(b_a32, b_b32, input_precision="ieee")
+        return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), input_precision="ieee")
     if b_a.dtype == tl.float32:
         return tl.dot(b_a, b_b, input_precision=PREC)
     return tl.dot(b_a, b_b)

@@ -1,4 +1,4 @@
-"""Host side of the chunk pipeline: the forward as five small kernels and the backward (chunk_bwd.py).
+"""Host side of the chunk pipeline: the forward as five small kernels, and the backward.
 
 Forward (SPEC section 2), each kernel with a bounded working set:
 
@@ -7,6 +7,11 @@ Forward (SPEC section 2), each kernel with a bounded working set:
     (c, d) chunk_wy.py    (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
     (e) chunk_state.py    the state scan: h per chunk, vn = u - w h, final state
     (f) chunk_state.py    o = scale (qg h + Aqk vn)
+
+Backward: recompute (a)-(e) (nothing per chunk is kept between forward and backward), the reverse state scan
+(chunk_state.py), then four per-chunk kernels (chunk_bwd.py): products with the states and the WY factors' key side,
+the inverse and value side, the score matrices with the gate's cumulative sum and formula, and q/k (GVA sum,
+l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
 bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``
@@ -21,9 +26,15 @@ import torch
 import triton
 
 from ..gate import KernelOptions
+from .chunk_bwd import (
+    chunk_kda_bwd_inter_kernel,
+    chunk_kda_bwd_intra_kernel,
+    chunk_kda_bwd_qk_kernel,
+    chunk_kda_bwd_wy_kernel,
+)
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
-from .chunk_state import chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
+from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
 
@@ -98,11 +109,15 @@ class Problem:
         else:
             self.NT_seq = 0
             self.chunk_indices, self.chunk_offsets, self.NT = varlen_tables(cu_seqlens)
-        self.BK = triton.next_power_of_2(self.K)
+        # tl.dot needs every dimension >= 16: narrower heads run in masked 16-wide blocks.
+        self.BK = max(16, triton.next_power_of_2(self.K))
+        self.BVmax = max(16, triton.next_power_of_2(self.V))
         self.dtype, self.device = q.dtype, q.device
         half = q.dtype in (torch.bfloat16, torch.float16)
-        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands.
+        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands, except where row
+        # and column terms of the score gradients cancel into dg (the intra backward): there tf32x3.
         self.prec = "tf32" if half else "ieee"
+        self.prec_exact = "tf32x3" if half else "ieee"
         self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
         self.opts, self.cfg = opts, cfg
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -150,14 +165,14 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     chunk_kda_fwd_wy_kernel[(NT, HV)](
         q=q, k=k, v=v, beta=beta, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg,
         decay=decay, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
-        BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, triton.next_power_of_2(V)), IS_VARLEN=IS_VARLEN,
+        BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax), IS_VARLEN=IS_VARLEN,
         USE_QK_L2NORM=use_l2, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
         PREC=p.prec, num_warps=cfg.wy_warps,
     )
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
-    BV = min(cfg.h_bv, triton.next_power_of_2(V))
+    BV = min(cfg.h_bv, p.BVmax)
     chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV), p.N * HV)](
         w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), T=T,
@@ -171,7 +186,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
 def output(p: Problem, x: Pieces, scale: float) -> torch.Tensor:
     """Kernel (f)."""
     o = p.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
-    BV = min(p.cfg.o_bv, triton.next_power_of_2(p.V))
+    BV = min(p.cfg.o_bv, p.BVmax)
     chunk_kda_fwd_o_kernel[(p.NT, triton.cdiv(p.V, BV), p.HV)](
         qg=x.qg, h=x.h, Aqk=x.Aqk, vn=x.vn, o=o, **p.varlen(), scale=scale, T=p.T, NT=p.NT_seq,
         HV=p.HV, K=p.K, V=p.V, BT=BT, BKS=min(p.cfg.o_bks, p.BK), BV=BV, IS_VARLEN=p.cu_seqlens is not None,
@@ -196,3 +211,91 @@ def chunk_kda_fwd_pipeline(
         return o, ht
     x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state)
     return output(p, x, scale), x.ht
+
+
+@dataclass
+class Grads:
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dh0: torch.Tensor | None
+    dA_log: torch.Tensor | None
+    ddt_bias: torch.Tensor | None
+
+
+def chunk_kda_bwd_pipeline(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, opts: KernelOptions, cu_seqlens: torch.Tensor | None,
+    do: torch.Tensor, dht: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
+) -> Grads:
+    """Gradients of every input, in the inputs' dtypes (contiguous inputs; do, dht contiguous)."""
+    p = Problem(q, v, cu_seqlens, opts, cfg)
+    B, T, H, HV, K, V, NT = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT
+    use_gate = opts.use_gate_in_kernel
+    if T == 0 or NT == 0:
+        zero = lambda x: None if x is None else torch.zeros_like(x)
+        dh0 = None if initial_state is None else (dht.clone() if dht is not None else torch.zeros_like(initial_state))
+        return Grads(zero(q), zero(k), zero(v), zero(g), zero(beta), dh0, zero(opts.A_log) if use_gate else None,
+                     zero(opts.dt_bias) if use_gate else None)
+    IS_VARLEN = p.cu_seqlens is not None
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state=False, store_states=True)
+
+    dh = p.empty(NT, HV, K, V, dtype=p.sdt)
+    dvn = p.empty(B, T, HV, V, dtype=p.sdt)
+    dh0 = p.empty(p.N, HV, K, V)
+    BV = min(cfg.h_bv, p.BVmax)
+    chunk_kda_bwd_dh_kernel[(triton.cdiv(V, BV), p.N * HV)](
+        qg=x.qg, kg=x.kg, w=x.w, Aqk=x.Aqk, decay=x.decay, do=do, dh=dh, dvn=dvn, dht=p.ptr(dht), dh0=dh0,
+        cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale, T=T,
+        HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_FINAL_STATE_GRADIENT=dht is not None,
+        PREC=p.prec, num_warps=cfg.h_warps, num_stages=cfg.h_stages,
+    )
+
+    BKb = min(cfg.bwd_bk, p.BK)
+    NK = triton.cdiv(K, BKb)
+    BVb = min(cfg.bwd_bk, p.BVmax)
+    stride_nk = B * T * HV
+    dq_p, dk_p, dg_p = (p.empty(B, T, HV, K) for _ in range(3))
+    db_p = p.empty(NK, B, T, HV)
+    dT_p = p.empty(NK, B, T, HV, BT)
+    flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel)
+    beta_flags = dict(USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
+    chunk_kda_bwd_inter_kernel[(NT, NK, HV)](
+        q=q, k=k, beta=beta, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), Tm=x.Tm, h=x.h, dh=dh, vn=x.vn, dvn=dvn,
+        do=do, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, dT_p=dT_p, **p.varlen(), scale=scale, T=T,
+        NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb, BV=BVb, **flags,
+        **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
+    )
+    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
+    dAqk, dAkk = p.empty(B, T, HV, BT), p.empty(B, T, HV, BT)
+    chunk_kda_bwd_wy_kernel[(NT, HV)](
+        v=v, beta=beta, Akk=x.Akk, Tm=x.Tm, vn=x.vn, dvn=dvn, do=do, db_p=db_p, dT_p=dT_p, dv=dv, dbeta=dbeta,
+        dAqk=dAqk, dAkk=dAkk, **p.varlen(), scale=scale, T=T, NT=p.NT_seq, STRIDE_NK=stride_nk,
+        HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
+    )
+    dg = torch.empty_like(g)
+    A_log = opts.A_log.contiguous() if use_gate else None
+    dt_bias = opts.dt_bias.contiguous() if use_gate and opts.dt_bias is not None else None
+    dA_p = p.empty(NT, NK, HV) if use_gate else None
+    ddt_p = p.empty(NT, HV, K) if use_gate else None
+    chunk_kda_bwd_intra_kernel[(NT, NK, HV)](
+        q=q, k=k, g=g, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), A_log=p.ptr(A_log), dt_bias=p.ptr(dt_bias),
+        dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p),
+        **p.varlen(), lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T,
+        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKb, NK=NK, **flags, USE_GATE=use_gate,
+        USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, PREC=p.prec_exact,
+        num_warps=cfg.bwd_warps,
+    )
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    chunk_kda_bwd_qk_kernel[(NT, H)](
+        q=q, k=k, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dq_p=dq_p, dk_p=dk_p, dq=dq, dk=dk, **p.varlen(), T=T,
+        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags, num_warps=cfg.bwd_warps,
+    )
+    dA_log = ddt_bias = None
+    if use_gate:
+        dA_log = dA_p.sum((0, 1)).reshape(opts.A_log.shape).to(opts.A_log.dtype)
+        if opts.dt_bias is not None:
+            ddt_bias = ddt_p.sum(0).reshape(opts.dt_bias.shape).to(opts.dt_bias.dtype)
+    return Grads(dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None, dA_log, ddt_bias)

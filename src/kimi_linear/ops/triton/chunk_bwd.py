@@ -1,0 +1,332 @@
+"""Chunk pipeline backward: the per-chunk kernels after the reverse state scan (chunk_state.py).
+
+Per chunk n with start state S = h[n], the gradient dS' = dh[n] reaching the state after it, and (chunk_wy.py)
+``qg = q exp(G)``, ``kg = k exp(G_C - G)``, ``Kb = beta k exp(G)``, ``w = Tm Kb``, ``u = Tm (beta v)``:
+
+    o  = scale (qg S + Aqk vn)       vn = u - w S        S' = diag(exp(G_C)) S + kg^T vn
+
+The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-normalised q/k:
+
+- :func:`chunk_kda_bwd_inter_kernel` (chunk, key block, value head): the products with the states,
+  ``dqg = scale do S^T``, ``dkg = vn dS'^T``, ``dw = -dvn S^T``, and through ``w = Tm Kb``: ``dKb = Tm^T dw``; it
+  writes the parts of dq_hat, dk_hat and dG (the gradient of the chunk prefix G) these give, and per key block
+  partial sums of dTm = dw Kb^T and of dbeta.
+- :func:`chunk_kda_bwd_wy_kernel` (chunk, value head): ``dTm += du (beta v)^T`` with du = dvn, dv = beta Tm^T du,
+  the inverse's gradient ``dA = -Tm^T dTm Tm^T`` (strictly lower), dbeta (then through the sigmoid), and
+  dAqk = scale do vn^T (lower triangle with the diagonal).
+- :func:`chunk_kda_bwd_intra_kernel` (chunk, key block, value head): the score matrices' gradients into q_hat,
+  k_hat and G, with the same overflow-free factorisations as the forward scores; then dg = the reverse cumulative
+  sum of dG inside the chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
+- :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
+  backward ``dx = r (dx_hat - x_hat (x_hat . dx_hat))``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunk_common import (
+    SAFE_EXP,
+    between_total,
+    chunk_coords,
+    chunk_gate_terms,
+    load_beta,
+    load_norms,
+    load_row_scalars,
+    load_rows,
+    mm,
+    store_rows,
+    sub_block_total,
+)
+from .transforms import softplus
+
+
+@triton.jit
+def chunk_kda_bwd_inter_kernel(
+    q, k, beta, gP, rq, rk, Tm,       # inputs and recomputed forward pieces
+    h, dh, vn, dvn, do,               # [NT, HV, K, V] x2 (storage dtype), [B, T, HV, V] x3
+    dq_p, dk_p, dg_p, db_p, dT_p,     # out: [B, T, HV, K] f32 x3; [NK, B, T, HV] f32; [NK, B, T, HV, BT] f32
+    cu_seqlens, chunk_indices,
+    scale, T, NT, STRIDE_NK,          # STRIDE_NK = B * T * HV
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+):
+    i_c, i_k, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0 = i_t * BT
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    p_h = h + (i_c.to(tl.int64) * HV + i_hv) * K * V
+    p_dh = dh + (i_c.to(tl.int64) * HV + i_hv) * K * V
+
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)                          # [BT, BK]
+    b_dkg = tl.zeros([BT, BK], dtype=tl.float32)                          # [BT, BK]
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)                           # [BT, BK]
+    b_dgc = tl.zeros([BK], dtype=tl.float32)                              # [BK] sum_v S dS'
+    for c0 in range(0, V, BV):
+        o_v = c0 + tl.arange(0, BV)
+        m_s = m_k[:, None] & (o_v < V)[None, :]
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)      # [BK, BV]
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)    # [BK, BV]
+        b_vn = load_rows(vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)                        # [BT, BV]
+        b_dvn = load_rows(dvn, bos, t0, T_n, i_hv, HV, V, o_v, BT)                      # [BT, BV]
+        b_do = load_rows(do, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(b_vn.dtype)         # [BT, BV]
+        b_dqg += mm(b_do, tl.trans(b_h), PREC)
+        b_dkg += mm(b_vn, tl.trans(b_dh), PREC)
+        b_dw -= mm(b_dvn, tl.trans(b_h), PREC)
+        b_dgc += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    b_dqg *= scale
+
+    b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BK] x2, [BK]
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)         # [BT] x2
+    b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
+    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]  # [BT, BK]
+    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]  # [BT, BK]
+    b_eG = tl.exp(b_G)
+    b_eS = tl.exp(b_Gs)
+    b_kn = b_k * b_eG                                                      # [BT, BK] k exp(G), no beta
+    b_kg = b_k * b_eS                                                      # [BT, BK]
+    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT)              # [BT, BT]
+    b_dKb = mm(tl.trans(b_T), b_dw, PREC)                                  # [BT, BK]
+
+    b_dq = b_dqg * b_eG
+    b_dk = b_dkg * b_eS + b_beta[:, None] * b_dKb * b_eG
+    b_dg = b_dqg * (b_q * b_eG) - b_dkg * b_kg + b_beta[:, None] * b_dKb * b_kn
+    # G_C (the chunk's total) enters kg and the decay: its gradient belongs to the last valid row's G.
+    b_dgc = tl.sum(b_dkg * b_kg, 0) + tl.exp(b_GC) * b_dgc
+    last = tl.minimum(T_n - t0, BT) - 1
+    b_dg += tl.where(o_t[:, None] == last, b_dgc[None, :], 0.0)
+    store_rows(dq_p, b_dq, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dg_p, b_dg, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+
+    m_t = t0 + o_t < T_n
+    o_p = i_k.to(tl.int64) * STRIDE_NK + (bos + t0 + o_t) * HV + i_hv     # [BT] rows of the partial buffers
+    tl.store(db_p + o_p, tl.sum(b_dKb * b_kn, 1), mask=m_t)
+    b_dT = mm(b_dw, tl.trans(b_kn * b_beta[:, None]), PREC)                # [BT, BT] this key block's dw Kb^T
+    tl.store(dT_p + o_p[:, None] * BT + o_t[None, :], b_dT, mask=m_t[:, None])
+
+
+@triton.jit
+def chunk_kda_bwd_wy_kernel(
+    v, beta, Akk, Tm, vn, dvn, do,    # inputs and recomputed pieces
+    db_p, dT_p,                       # partial sums from the inter kernel
+    dv, dbeta, dAqk, dAkk,            # out: [B, T, HV, V], [B, T, HV] (input dtypes); [B, T, HV, BT] f32 x2
+    cu_seqlens, chunk_indices,
+    scale, T, NT, STRIDE_NK,
+    HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0 = i_t * BT
+    o_t = tl.arange(0, BT)
+    m_t = t0 + o_t < T_n
+    o_p = (bos + t0 + o_t) * HV + i_hv                                     # [BT]
+    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT)              # [BT, BT]
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)                            # [BT, BT]
+    b_db = tl.zeros([BT], dtype=tl.float32)                                # [BT]
+    for i_k in range(0, NK):
+        o_pk = i_k * STRIDE_NK + o_p
+        b_dT += tl.load(dT_p + o_pk[:, None] * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+        b_db += tl.load(db_p + o_pk, mask=m_t, other=0.0)
+    b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
+
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)                          # [BT, BT]
+    for c0 in range(0, V, BV):
+        o_v = c0 + tl.arange(0, BV)
+        b_du = load_rows(dvn, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32)     # [BT, BV]
+        b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32)        # [BT, BV]
+        b_dT += mm(b_du, tl.trans(b_v * b_beta[:, None]), PREC)
+        b_dVb = mm(tl.trans(b_T), b_du, PREC)                              # [BT, BV] gradient of beta v
+        store_rows(dv, b_dVb * b_beta[:, None], bos, t0, T_n, i_hv, HV, V, o_v, BT)
+        b_db += tl.sum(b_dVb * b_v, 1)
+        b_vn = load_rows(vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)                      # [BT, BV]
+        b_do = load_rows(do, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(b_vn.dtype)       # [BT, BV]
+        b_dAqk += mm(b_do, tl.trans(b_vn), PREC)
+
+    # Tm = (I + A)^-1, A = diag(beta) Akk strictly lower: dA = -Tm^T dTm Tm^T on A's free entries.
+    b_dA = -mm(tl.trans(b_T), mm(b_dT, tl.trans(b_T), PREC), PREC)        # [BT, BT]
+    b_dA = tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0)
+    b_Akk = load_rows(Akk, bos, t0, T_n, i_hv, HV, BT, o_t, BT)           # [BT, BT]
+    b_db += tl.sum(b_dA * b_Akk, 1)
+    store_rows(dAkk, b_dA * b_beta[:, None], bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(dAqk, tl.where(o_t[:, None] >= o_t[None, :], scale * b_dAqk, 0.0), bos, t0, T_n, i_hv, HV, BT,
+               o_t, BT)
+    if USE_BETA_SIGMOID:
+        b_s = tl.sigmoid(load_row_scalars(beta, bos, t0, T_n, i_hv, HV, BT))
+        b_db = b_db * b_s * (1.0 - b_s)
+        if NEG_EIGVAL:
+            b_db = 2.0 * b_db
+    tl.store(dbeta + o_p, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def diagonal_grads(b_dAq, b_dAk, b_q, b_k, b_P, r0, T_n, BC: tl.constexpr, PREC: tl.constexpr):
+    """Gradients of the diagonal block's scores: (dq, dk from rows, dk from columns) [BC, BK] each, for q, k
+    (normalised), gP of one sub-block and the block's dAqk (lower with diagonal), dAkk (strictly lower)."""
+    if tl.max(tl.abs(b_P)) < SAFE_EXP:
+        b_e = tl.exp(b_P)
+        b_ie = tl.exp(-b_P)
+        b_kie = b_k * b_ie
+        b_dq = b_e * mm(b_dAq, b_kie, PREC)
+        b_dkr = b_e * mm(b_dAk, b_kie, PREC)
+        b_dkc = b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
+    else:
+        o_r = tl.arange(0, BC)
+        m3 = ((o_r[:, None] >= o_r[None, :]) & ((r0 + o_r) < T_n)[:, None])[:, :, None]   # [BC, BC, 1]
+        # exp(P_i - P_j) only where j <= i on valid rows (exponent <= 0).
+        b_f = tl.where(m3, tl.exp(tl.where(m3, b_P[:, None, :] - b_P[None, :, :], 0.0)), 0.0)   # [BC, BC, BK]
+        b_dq = tl.sum(b_dAq[:, :, None] * (b_k[None, :, :] * b_f), 1)
+        b_dkr = tl.sum(b_dAk[:, :, None] * (b_k[None, :, :] * b_f), 1)
+        b_dkc = tl.sum((b_dAq[:, :, None] * b_q[:, None, :] + b_dAk[:, :, None] * b_k[:, None, :]) * b_f, 0)
+    return b_dq, b_dkr, b_dkc
+
+
+@triton.jit
+def chunk_kda_bwd_intra_kernel(
+    q, k, g, gP, rq, rk,              # inputs (g raw) and the recomputed gate sums / norms
+    A_log, dt_bias,
+    dAqk, dAkk,                       # [B, T, HV, BT] f32 from the WY kernel
+    dq_p, dk_p, dg_p,                 # in: the inter kernel's parts; out (dq_p, dk_p): the totals per value head
+    dg, dA_p, ddt_p,                  # out: [B, T, HV, K] (g's dtype), [NT, NK, HV] f32, [NT, HV, K] f32
+    cu_seqlens, chunk_indices,
+    lower_bound, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    NK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, PREC: tl.constexpr,
+):
+    NC: tl.constexpr = BT // BC
+    i_c, i_k, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0 = i_t * BT
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    o_j = tl.arange(0, BC)
+    if USE_GATE:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_bias = tl.zeros([BK], dtype=tl.float32)                          # [BK]
+        if HAS_DT_BIAS:
+            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_carry = tl.zeros([BK], dtype=tl.float32)                             # [BK] dG summed over later rows
+    b_dA_log = tl.zeros([BK], dtype=tl.float32)                            # [BK]
+    b_dbias = tl.zeros([BK], dtype=tl.float32)                             # [BK]
+
+    for S in tl.static_range(NC - 1, -1, -1):                              # last sub-block first (reverse cumsum)
+        rS = t0 + S * BC
+        m_r = (rS + o_j) < T_n
+        b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2
+        b_PS = load_rows(gP, bos, rS, T_n, i_hv, HV, K, o_k, BC)                         # [BC, BK]
+        b_qS = load_rows(q, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rqS[:, None]   # [BC, BK]
+        b_kS = load_rows(k, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkS[:, None]   # [BC, BK]
+        b_tS = sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)                # [BK]
+
+        # Rows of S against earlier columns J: factor through the row before S (as the forward scores).
+        b_dq = tl.zeros([BC, BK], dtype=tl.float32)                        # [BC, BK]
+        b_dkr = tl.zeros([BC, BK], dtype=tl.float32)                       # [BC, BK]
+        for J in tl.static_range(S):
+            rJ = t0 + J * BC
+            _, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)
+            b_tJ = sub_block_total(gP, bos, t0, J, T_n, i_hv, HV, K, o_k, BC)
+            b_btw = between_total(gP, bos, t0, J, S, T_n, i_hv, HV, K, o_k, BC, BK)
+            b_PJ = load_rows(gP, bos, rJ, T_n, i_hv, HV, K, o_k, BC)
+            b_kc = (load_rows(k, bos, rJ, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkJ[:, None]
+                    * tl.exp((b_tJ[None, :] - b_PJ) + b_btw[None, :]))     # [BC, BK] k_j exp(G_r - G_j)
+            b_dAq = load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, J * BC + o_j, BC)      # [BC, BC]
+            b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, J * BC + o_j, BC)      # [BC, BC]
+            b_dq += mm(b_dAq, b_kc, PREC)
+            b_dkr += mm(b_dAk, b_kc, PREC)
+        b_eS = tl.exp(b_PS)
+        b_dq *= b_eS
+        b_dkr *= b_eS
+        # Columns of S against later rows I: factor through S's last row.
+        b_dkc = tl.zeros([BC, BK], dtype=tl.float32)                       # [BC, BK]
+        for I in tl.static_range(S + 1, NC):
+            rI = t0 + I * BC
+            b_rqI, b_rkI = load_norms(rq, rk, bos, rI, T_n, i_h, H, BC, USE_QK_L2NORM)
+            b_btw = between_total(gP, bos, t0, S, I, T_n, i_hv, HV, K, o_k, BC, BK)
+            b_e = tl.exp(load_rows(gP, bos, rI, T_n, i_hv, HV, K, o_k, BC) + b_btw[None, :])   # exp(G_i - G_r')
+            b_qI = load_rows(q, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rqI[:, None] * b_e)
+            b_kI = load_rows(k, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rkI[:, None] * b_e)
+            b_dAq = load_rows(dAqk, bos, rI, T_n, i_hv, HV, BT, S * BC + o_j, BC)      # [BC, BC]
+            b_dAk = load_rows(dAkk, bos, rI, T_n, i_hv, HV, BT, S * BC + o_j, BC)      # [BC, BC]
+            b_dkc += mm(tl.trans(b_dAq), b_qI, PREC) + mm(tl.trans(b_dAk), b_kI, PREC)
+        b_dkc *= tl.exp(b_tS[None, :] - b_PS)                                # exp(G_r' - G_j)
+        # The diagonal block.
+        b_dAq = load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)          # [BC, BC]
+        b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)          # [BC, BC]
+        b_ddq, b_ddkr, b_ddkc = diagonal_grads(b_dAq, b_dAk, b_qS, b_kS, b_PS, rS, T_n, BC, PREC)
+        b_dq += b_ddq
+        b_dkr += b_ddkr
+        b_dkc += b_ddkc
+
+        # d/dG_i of exp(G_i - G_j) is the term itself: rows gain q dq + k dk_rows, columns lose k dk_columns.
+        b_dG = b_qS * b_dq + b_kS * (b_dkr - b_dkc)
+        b_dq += load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+        b_dk = b_dkr + b_dkc + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+        b_dG += load_rows(dg_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+        b_dG = tl.where(m_r[:, None], b_dG, 0.0)
+        store_rows(dq_p, b_dq, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+        store_rows(dk_p, b_dk, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+
+        # G_i = sum_{m <= i} g_m inside the chunk: dg_m = sum_{i >= m} dG_i.
+        b_dgs = tl.cumsum(b_dG, 0, reverse=True) + b_carry[None, :]       # [BC, BK]
+        b_carry += tl.sum(b_dG, 0)
+        if USE_GATE:
+            b_x = load_rows(g, bos, rS, T_n, i_hv, HV, K, o_k, BC).to(tl.float32) + b_bias[None, :]   # [BC, BK]
+            if USE_LOWER_BOUND:
+                # g = lb sigmoid(a x): dg/dx = lb s (1 - s) a, dg/dA_log = (dg/dx) x
+                b_s = tl.sigmoid(b_a * b_x)
+                b_dx = b_dgs * (lower_bound * b_s * (1.0 - b_s) * b_a)
+                b_dA_log += tl.sum(tl.where(m_r[:, None], b_dx * b_x, 0.0), 0)
+            else:
+                # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
+                b_dx = b_dgs * (-b_a * tl.sigmoid(b_x))
+                b_dA_log += tl.sum(tl.where(m_r[:, None], b_dgs * (-b_a * softplus(b_x)), 0.0), 0)
+            b_dx = tl.where(m_r[:, None], b_dx, 0.0)
+            b_dbias += tl.sum(b_dx, 0)
+            store_rows(dg, b_dx, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+        else:
+            store_rows(dg, b_dgs, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+
+    if USE_GATE:
+        tl.store(dA_p + (i_c.to(tl.int64) * NK + i_k) * HV + i_hv, tl.sum(tl.where(m_k, b_dA_log, 0.0), 0))
+        tl.store(ddt_p + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_dbias, mask=m_k)
+
+
+@triton.jit
+def chunk_kda_bwd_qk_kernel(
+    q, k, rq, rk, dq_p, dk_p,         # [B, T, H, K] x2, [B, T, H] f32 x2, [B, T, HV, K] f32 x2
+    dq, dk,                           # out: [B, T, H, K] in q's / k's dtype
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    G: tl.constexpr = HV // H
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0 = i_t * BT
+    o_k = tl.arange(0, BK)
+    for s in tl.static_range(BT // BC):
+        r0 = t0 + s * BC
+        b_dq = tl.zeros([BC, BK], dtype=tl.float32)                        # [BC, BK]
+        b_dk = tl.zeros([BC, BK], dtype=tl.float32)                        # [BC, BK]
+        for j in range(0, G):                                              # the value heads reading head i_h
+            b_dq += load_rows(dq_p, bos, r0, T_n, i_h * G + j, HV, K, o_k, BC)
+            b_dk += load_rows(dk_p, bos, r0, T_n, i_h * G + j, HV, K, o_k, BC)
+        if USE_QK_L2NORM:
+            b_rq, b_rk = load_norms(rq, rk, bos, r0, T_n, i_h, H, BC, USE_QK_L2NORM)     # [BC] x2
+            b_q = load_rows(q, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rq[:, None]   # [BC, BK]
+            b_k = load_rows(k, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rk[:, None]   # [BC, BK]
+            b_dq = b_rq[:, None] * (b_dq - b_q * tl.sum(b_q * b_dq, 1)[:, None])
+            b_dk = b_rk[:, None] * (b_dk - b_k * tl.sum(b_k * b_dk, 1)[:, None])
+        store_rows(dq, b_dq, bos, r0, T_n, i_h, H, K, o_k, BC)
+        store_rows(dk, b_dk, bos, r0, T_n, i_h, H, K, o_k, BC)
