@@ -200,3 +200,57 @@ def test_memory_budget_counts_the_scratch_rows(model):
         EngineConfig(cuda_graph_max_len=0).validate()
     with pytest.raises(ValueError, match="`cuda_graphs`"):
         EngineConfig(cuda_graphs="yes").validate()  # type: ignore[arg-type]
+
+
+class _FakeStream:
+    def __init__(self, device=None) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: ``replay`` re-runs the step (set by the test after capture)."""
+
+    def __init__(self) -> None:
+        self.replay_fn = None
+
+    def replay(self) -> None:
+        assert self.replay_fn is not None
+        self.replay_fn()
+
+
+def test_capture_bookkeeping_with_a_fake_cuda_api(model, monkeypatch):
+    """Not a CUDA graph (that needs a GPU: bench/engine_gpu.py captures real ones): the capture code path with the
+    torch.cuda calls replaced, to check its bookkeeping on CPU. Capturing every bucket (whose warm-up really runs)
+    touches no slot, block or snapshot but the scratch rows, and replays give the eager engine's tokens."""
+    from contextlib import nullcontext
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, capture_error_mode=None: nullcontext())
+    reqs = mixed_requests(9, 6, 40, 12)
+    ref_out, _ = run_with_logprobs(LLMEngine(model, EngineConfig(max_num_seqs=4, prefill_chunk=32)), reqs)
+
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, prefill_chunk=32, cuda_graphs=True))
+    graphs = DecodeGraphs(model, engine.slots, engine.blocks, engine.kda_idx, engine.mla_idx, 4, 64, capture=True,
+                          lengths=[32, 64])
+    engine.graphs = graphs
+    for t in pool_tensors(engine):
+        t.normal_()                                    # stands for other requests' state
+    before = [t.clone() for t in pool_tensors(engine)]
+    assert engine.capture_cuda_graphs() == 3 * 2 and graphs.broken is None
+    with_scratch = len(engine.slots.conv + engine.slots.rec + engine.blocks.data)   # pools whose last row is scratch
+    for i, (b, a) in enumerate(zip(before, pool_tensors(engine))):
+        if i < with_scratch:
+            b, a = b[:-1], a[:-1]
+        assert torch.equal(b, a), i
+    for (b, L), step in graphs.steps.items():
+        assert step.logits is not None and step.logits.shape == (b, model.config.vocab_size)
+        step.graph.replay_fn = lambda s=step, b=b, L=L: s.logits.copy_(graphs.forward(s.inputs, b, L))
+    out, _ = run_with_logprobs(engine, reqs)
+    assert out == ref_out and engine.counters["graph_decode_forwards"] > 0
