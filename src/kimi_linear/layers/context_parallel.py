@@ -63,17 +63,12 @@ class _GatherTime(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         B, _, C = grad.shape
         T, world = ctx.T, ctx.world
-        # Reduce in float32: the pieces of a bf16 gradient from different ranks are added once, here.
-        full = grad.float()
-        if dist.get_backend(ctx.group) == "nccl":
-            # reduce-scatter sends half the bytes of an all-reduce; it scatters along dim 0, so time goes first.
-            pieces = full.view(B, world, T, C).transpose(0, 1).contiguous()            # [world, B, T, C]
-            mine = pieces.new_empty(B, T, C)
-            dist.reduce_scatter_tensor(mine, pieces.view(world * B, T, C), group=ctx.group)
-        else:  # gloo has no reduce-scatter
-            full = full.contiguous()
-            dist.all_reduce(full, group=ctx.group)
-            mine = full[:, ctx.rank * T : (ctx.rank + 1) * T]
+        # Reduce in float32: the pieces of a bf16 gradient from different ranks are added once, here. A
+        # reduce-scatter (NCCL, and gloo in the torch this package pins) sends half the bytes of an all-reduce; it
+        # scatters along dim 0, so time goes first.
+        pieces = grad.float().reshape(B, world, T, C).transpose(0, 1).contiguous()       # [world, B, T, C]
+        mine = pieces.new_empty(B, T, C)
+        dist.reduce_scatter_tensor(mine, pieces.view(world * B, T, C), group=ctx.group)
         return mine.to(grad.dtype), None, None, None
 
 
