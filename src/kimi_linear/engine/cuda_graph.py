@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kimi_linear.layers import KDAState, SparseMoE
@@ -102,6 +102,7 @@ class DecodeGraphs:
         if slots.scratch is None or blocks.scratch is None:
             raise ValueError("`slots` and `blocks` need a scratch row (StatePool/BlockPool(..., scratch=True))")
         self.model, self.slots, self.blocks = model, slots, blocks
+        self.scratch_slot, self.scratch_block = slots.scratch, blocks.scratch
         self.kda_idx, self.mla_idx = kda_idx, mla_idx
         self.bs = blocks.block_size
         self.batches = batch_buckets(max_batch)
@@ -138,30 +139,35 @@ class DecodeGraphs:
         if step is None:
             return None
         b, L = key
-        step.inputs.copy_(torch.from_numpy(self._host_inputs(seqs, b, L)))
+        step.inputs.copy_(self._host_inputs(seqs, b, L))
         if step.graph is None:
             return self.forward(step.inputs, b, L)[: len(seqs)]
         step.graph.replay()
         assert step.logits is not None
         return step.logits[: len(seqs)]
 
-    def _host_inputs(self, seqs: list[Sequence], b: int, L: int) -> np.ndarray:
-        """The static buffer's contents: ids | slots | lengths | block table [b, L // block_size]; rows past
-        ``len(seqs)`` are padding (token 0, scratch slot, length 0, scratch blocks)."""
+    def _host_inputs(self, seqs: list[Sequence], b: int, L: int) -> torch.Tensor:
+        """The static buffer's contents (CPU int64): ids | slots | lengths | block table [b, L // block_size];
+        rows past ``len(seqs)`` are padding (token 0, scratch slot, length 0, scratch blocks). Built with
+        ``array`` (C-speed list appends, then one zero-copy view): this runs on the host every decode step."""
         n, nb = len(seqs), L // self.bs
-        buf = np.empty(b * (3 + nb), dtype=np.int64)
-        ids, slots, lens, table = buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b :].reshape(b, nb)
-        ids[n:], slots[n:], lens[n:], table[n:] = 0, self.slots.scratch, 0, self.blocks.scratch
-        for r, s in enumerate(seqs):
-            ids[r] = (s.output_ids or s.prompt_ids)[-1]     # a decode row's one uncomputed token is its last
-            slots[r] = s.slot
-            lens[r] = s.num_computed
-            if len(s.block_table) * self.bs <= s.num_computed:
-                raise RuntimeError(f"request {s.request_id!r} has no block for position {s.num_computed}")
+        pad = b - n
+        for s in seqs:
+            if s.slot is None or len(s.block_table) * self.bs <= s.num_computed:
+                raise RuntimeError(f"request {s.request_id!r} has no KDA slot or no block for position "
+                                   f"{s.num_computed}")
+        buf = array("q", [(s.output_ids or s.prompt_ids)[-1] for s in seqs])  # a decode row's one new token: its last
+        buf.extend([0] * pad)
+        buf.extend([s.slot for s in seqs])
+        buf.extend([self.scratch_slot] * pad)
+        buf.extend([s.num_computed for s in seqs])
+        buf.extend([0] * pad)
+        for s in seqs:
             t = s.block_table[:nb]
-            table[r, : len(t)] = t
-            table[r, len(t) :] = t[0]                       # masked keys: read the row's own block, never scratch
-        return buf
+            buf.extend(t)
+            buf.extend([t[0]] * (nb - len(t)))  # masked keys: read the row's own block, never scratch memory
+        buf.extend([self.scratch_block] * (pad * nb))
+        return torch.frombuffer(buf, dtype=torch.int64)
 
     def forward(self, inputs: torch.Tensor, b: int, L: int) -> torch.Tensor:
         """The step a graph captures: static ``inputs`` -> logits [b, vocab] float32; pools updated in place."""
@@ -222,7 +228,7 @@ class DecodeGraphs:
     def _capture(self, step: _Step, b: int, L: int) -> None:
         # Warm-up and capture with padding rows only: the warm-up really runs (it compiles the Triton kernels and
         # builds cached weights outside the graph) and so must touch nothing but the scratch slot and block.
-        step.inputs.copy_(torch.from_numpy(self._host_inputs([], b, L)))
+        step.inputs.copy_(self._host_inputs([], b, L))
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
