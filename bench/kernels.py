@@ -2,41 +2,75 @@
 # ruff: noqa: B023
 """KDA kernels on one GPU: ours (Triton) vs fla-core 0.6 vs PyTorch SDPA causal, plus the card's ceilings.
 
-    python bench/kernels.py              # timings: one table (ms, tokens/s, fla's time over ours, % of floor)
-    python bench/kernels.py --check      # correctness at full size on the GPU first (then no timings)
-    python bench/kernels.py --check --bench
+    python bench/kernels.py                          # timings: one table (ms, tokens/s, fla/ours, % of floor)
+    python bench/kernels.py --check                  # correctness at full size on the GPU (no timings)
+    python bench/kernels.py --check --bench --profile --no-decode --budget 280    # the issue-4 run, < 5 min
+    python bench/kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
 
-Shapes of SPEC section 7: bf16, H=32, K=V=128; chunk forward (and forward+backward) at 16 x 2048 and 1 x 32768
-tokens with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and once with the
+Shapes of SPEC section 7: bf16, H=32, K=V=128; chunk forward and forward+backward at 16 x 2048 and 1 x 32768 tokens
+with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and once with the
 ``lower_bound=-5`` gate (fla: ``safe_gate=True, lower_bound=-5``); the decode step at batch 1 and 256 (plain launch
 and CUDA-graph replay, which is how a server runs it). Floors: bytes moved once over the copy bandwidth measured in
 this run, FLOPs (6 T d^2 per head forward, 3x that with the backward) over the bf16 matmul rate measured in this run;
 the larger of the two. fla comes from the carried wheel (see BENCHMARKS.md for the command).
+
+Steps run in priority order (checks of the default chunk path and its timings first, then the 1M-token check,
+varlen, the profile, decode); each step is fenced (a failure is printed and the next step runs) and, with
+``--budget``, steps that would start after the budget are skipped and listed, so a run always ends with its table.
+``kernels.log`` and ``kernels.json`` are rewritten after every step (``--out``, default $OUT).
 
 Timings are medians of ``triton.testing.do_bench`` (events; median mode) or of CUDA-graph replays.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import os
-import platform
-import statistics
 import sys
-import time
 
-import torch
-import torch.nn.functional as F
+if "--smoke" in sys.argv:                                   # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kimi_linear.ops as kops
-from kimi_linear.ops.triton.chunk import chunk_kda_fwd
-from kimi_linear.ops.triton.recurrent import fused_recurrent_kda as tri_recurrent
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
-H, D = 32, 128
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kimi_linear.ops as kops  # noqa: E402
+from kimi_linear.ops.gate import KernelOptions  # noqa: E402
+from kimi_linear.ops.triton.chunk import ChunkKDAFunction, chunk_kda_fwd  # noqa: E402
+from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG  # noqa: E402
+from kimi_linear.ops.triton.recurrent import fused_recurrent_kda as tri_recurrent  # noqa: E402
+
+
+class Setup:
+    """Device and sizes: the H200 shapes, or tiny CPU shapes for ``--smoke``."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.dev = "cpu" if smoke else "cuda"
+        self.H, self.D = (1, 32) if smoke else (32, 128)
+        self.shapes = ((1, 70), (1, 66)) if smoke else ((16, 2048), (1, 32768))
+        self.million = (130, 1) if smoke else (1 << 20, 4)          # (tokens, heads)
+        self.varlen = ([0, 1, 2, 70, 71, 90] if smoke else [0, 1, 2, 1000, 1001, 5000, 8192], 2 if smoke else 16)
+
+
+S = Setup(False)
 ROWS: list[dict] = []
 LOG: list[str] = []
+OUT = "."
+START = time.time()
+BUDGET = 0.0                                                    # seconds from START; 0: no budget
+
+
+def over_budget() -> bool:
+    return bool(BUDGET) and time.time() - START > BUDGET
 
 
 def say(*a):
@@ -45,7 +79,23 @@ def say(*a):
     LOG.append(line)
 
 
+def save() -> None:
+    with open(os.path.join(OUT, "kernels.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+    with open(os.path.join(OUT, "kernels.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+
+
+def sync():
+    if S.dev == "cuda":
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, rep: int = 100) -> float:
+    if S.smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
@@ -90,12 +140,29 @@ def torch_backend():
             os.environ["KIMI_LINEAR_BACKEND"] = old
 
 
+class Poison:
+    """torch.empty returns NaN-filled floating memory inside the block: unwritten outputs show up."""
+
+    def __enter__(self):
+        self.real = torch.empty
+
+        def empty(*a, **kw):
+            t = self.real(*a, **kw)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        torch.empty = empty
+
+    def __exit__(self, *exc):
+        torch.empty = self.real
+
+
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-20)).item()
 
 
 def fla_ops():
+    if S.smoke:
+        return None, None
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
         return chunk_kda, fused_recurrent_kda
@@ -104,11 +171,14 @@ def fla_ops():
         return None, None
 
 
-def make(B: int, T: int, h: int = H, hv: int | None = None, dtype=torch.bfloat16, seed: int = 0, lb: bool = False):
-    """Raw inputs for the in-kernel options: q, k, v, raw gate, beta logits; gate parameters; initial state."""
+def make(B: int, T: int, h: int | None = None, hv: int | None = None, dtype=torch.bfloat16, seed: int = 0,
+         lb: bool = False):
+    """Raw inputs for the in-kernel options: q, k, v, raw gate, beta logits; gate parameters."""
+    h = h or S.H
     hv = hv or h
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    D = S.D
+    gen = torch.Generator(device=S.dev).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=S.dev)
     x = dict(q=rnd(B, T, h, D).to(dtype), k=rnd(B, T, h, D).to(dtype), v=rnd(B, T, hv, D).to(dtype),
              g=rnd(B, T, hv, D).to(dtype), beta=rnd(B, T, hv).to(dtype))
     x["A_log"] = (rnd(hv) * 0.5).float()
@@ -132,8 +202,39 @@ def args5(x):
     return x["q"], x["k"], x["v"], x["g"], x["beta"]
 
 
+def f32(x):
+    return {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
+
+
+VARIANTS = {                                                   # chunk forward/backward variants (--profile)
+    "pipeline": ("pipeline", DEFAULT_CONFIG),
+    "pipeline store=f32": ("pipeline", replace(DEFAULT_CONFIG, store="float32")),
+    "pipeline h_bv=64": ("pipeline", replace(DEFAULT_CONFIG, h_bv=64)),
+    "pipeline h_bv=16": ("pipeline", replace(DEFAULT_CONFIG, h_bv=16)),
+    "pipeline scores_bks=128 wy_bks=128": ("pipeline", replace(DEFAULT_CONFIG, scores_bks=128, wy_bks=128)),
+    "pipeline bwd_bk=64": ("pipeline", replace(DEFAULT_CONFIG, bwd_bk=64)),
+    "pipeline 8 warps": ("pipeline", replace(DEFAULT_CONFIG, scores_warps=8, wy_warps=8, o_warps=8,
+                                             bwd_warps=8)),
+    "fused (first forward)": ("fused", DEFAULT_CONFIG),
+}
+
+
+def ours_fwd(x, lb, variant="pipeline", h0=None, final=True):
+    impl, cfg = VARIANTS[variant]
+    return chunk_kda_fwd(*args5(x), S.D ** -0.5, h0, final, KernelOptions(**opts(x, lb)), None, impl=impl, cfg=cfg)
+
+
+def ours_grad(leaves, lb, variant="pipeline", h0=None, cu=None):
+    """(o, final state) through the autograd Function with the variant's forward and (pipeline) Triton backward."""
+    impl, cfg = VARIANTS[variant]
+    o_ = KernelOptions(**opts(leaves, lb))
+    return ChunkKDAFunction.apply(*args5(leaves), h0, o_.A_log, o_.dt_bias, S.D ** -0.5, True, o_, cu, impl, cfg)
+
+
 # ----------------------------------------------------------------------------------------------------------- ceilings
 def ceilings() -> tuple[float, float]:
+    if S.smoke:
+        return 1.0, 1.0
     n = 1 << 30                                                     # 1 GiB each way
     src = torch.randn(n // 4, device="cuda")
     dst = torch.empty_like(src)
@@ -155,8 +256,244 @@ def row(name, ms, tokens, fla_ms=None, floor_ms=None, note=""):
     say(json.dumps(r))
 
 
-# ------------------------------------------------------------------------------------------------------------- decode
+# ------------------------------------------------------------------------------------------------------------- checks
+class Checks:
+    """Correctness at full size against the PyTorch path (float32 compute on the same bf16 values); every check
+    prints a PASS/FAIL line, and ``ok`` is the conjunction."""
+
+    def __init__(self, fla_chunk):
+        self.ok = True
+        self.fla_chunk = fla_chunk
+        self.failed: list[str] = []
+
+    def verdict(self, name, err, bar):
+        good = err == err and err < bar                             # NaN fails
+        self.ok &= good
+        if not good:
+            self.failed.append(name)
+        say(f"check {name}: rel err {err:.2e} (bar {bar:.0e}) {'PASS' if good else 'FAIL'}")
+
+    def flag(self, name, good, note=""):
+        self.ok &= good
+        if not good:
+            self.failed.append(name)
+        say(f"check {name}: {'PASS' if good else 'FAIL'} {note}")
+
+    def chunk_forward(self):
+        """The pipeline forward (default bf16 intermediates, and float32 intermediates) at both shapes, with an
+        initial state; fla's error on the same inputs for context."""
+        for i, (B, T) in enumerate(S.shapes):
+            lb = i == 1
+            x = make(B, T, lb=lb, seed=1)
+            h0 = torch.randn(B, S.H, S.D, S.D, device=S.dev)
+            with torch_backend():
+                o_r, S_r = kops.chunk_kda(*args5(f32(x)), initial_state=h0, output_final_state=True, **opts(x, lb))
+            tag = f"chunk fwd {B}x{T} {'lower_bound' if lb else 'softplus'} h0"
+            for variant in ("pipeline", "pipeline store=f32"):
+                with Poison():
+                    o, St = ours_fwd(x, lb, variant, h0=h0)
+                self.verdict(f"{tag} [{variant}] o", rel(o, o_r), 5e-3)
+                self.verdict(f"{tag} [{variant}] final state", rel(St, S_r), 5e-3)
+            if self.fla_chunk is not None:
+                with contextlib.suppress(Exception):
+                    o_f, S_f = self.fla_chunk(*args5(x), initial_state=h0.clone(), output_final_state=True,
+                                              **fla_opts(x, lb))
+                    say(f"  (fla on the same inputs: o {rel(o_f, o_r):.2e}, final state {rel(S_f, S_r):.2e})")
+
+    def chunk_backward(self):
+        """Triton backward (default variant) vs the PyTorch path's autograd at both shapes: every input's gradient,
+        with an initial state and a final-state cotangent; fla's gradient errors for context."""
+        for i, (B, T) in enumerate(S.shapes):
+            lb = i == 1
+            x = make(B, T, lb=lb, seed=4)
+            x["initial_state"] = torch.randn(B, S.H, S.D, S.D, device=S.dev)
+            do = torch.randn_like(x["v"])
+            dht = torch.randn_like(x["initial_state"])
+            names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+            def grads(fn, cast):
+                leaves = {n: cast(t).detach().clone().requires_grad_() for n, t in x.items()}
+                o, St = fn(leaves)
+                ((o.float() * do.float()).sum() + (St * dht).sum()).backward()
+                out = {n: leaves[n].grad for n in names}
+                del leaves, o, St
+                return out
+
+            ref = None
+            with torch_backend():
+                ref = grads(lambda L: kops.chunk_kda(*args5(L), initial_state=L["initial_state"],
+                                                     output_final_state=True, **opts(L, lb)),
+                            lambda t: t.float())
+            with Poison():
+                got = grads(lambda L: ours_grad(L, lb, h0=L["initial_state"]), lambda t: t)
+            tag = f"chunk bwd {B}x{T} {'lower_bound' if lb else 'softplus'}"
+            for n in names:
+                self.verdict(f"{tag} d{n}", rel(got[n], ref[n]), 2e-2)
+            if self.fla_chunk is not None:
+                try:
+                    fl = grads(lambda L: self.fla_chunk(*args5(L), initial_state=L["initial_state"],
+                                                        output_final_state=True, **fla_opts(L, lb)), lambda t: t)
+                    say("  (fla's gradients on the same inputs: " + ", ".join(
+                        f"d{n} {rel(fl[n], ref[n]):.1e}" for n in names if fl[n] is not None) + ")")
+                except Exception as e:  # noqa: BLE001
+                    say(f"  (fla's gradients failed: {type(e).__name__}: {e})")
+            del ref, got
+
+    def varlen_gva_extreme_gates(self):
+        """varlen with length-1 sequences, GVA, float32, extreme gates (-1000 every 7th step, exactly 0 every 5th):
+        forward of both chunk forwards and the recurrent kernel, and the pipeline's gradients."""
+        bounds, H2 = S.varlen
+        cu = torch.tensor(bounds, device=S.dev)
+        T = bounds[-1]
+        x = make(1, T, h=H2 // 2, hv=H2, dtype=torch.float32, seed=2)
+        x["k"] = F.normalize(x["k"], dim=-1)
+        x["g"] = F.logsigmoid(x["g"])
+        x["g"][:, ::7] = -1000.0
+        x["g"][:, 3::5] = 0.0
+        x["beta"] = x["beta"].sigmoid()
+        N = len(bounds) - 1
+        h0 = torch.randn(N, H2, S.D, S.D, device=S.dev)
+        plain = lambda L: (L["q"], L["k"], L["v"], L["g"], L["beta"])
+        with torch_backend():
+            o_r, S_r = kops.chunk_kda(*plain(x), initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        for impl in ("pipeline", "fused"):
+            with Poison():
+                o, St = chunk_kda_fwd(*plain(x), S.D ** -0.5, h0, True, KernelOptions(), cu, impl=impl)
+            self.verdict(f"chunk varlen GVA fp32 extreme gates [{impl}] o", rel(o, o_r), 1e-4)
+            self.verdict(f"chunk varlen GVA fp32 extreme gates [{impl}] final state", rel(St, S_r), 1e-4)
+        with Poison():
+            o, St = kops.fused_recurrent_kda(*plain(x), initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        self.verdict("recurrent varlen GVA fp32 extreme gates o", rel(o, o_r), 1e-5)
+        # gradients
+        do = torch.randn_like(o_r)
+        dht = torch.randn_like(S_r)
+        res = []
+        for backend in ("torch", "triton"):
+            L = {n: t.detach().clone().requires_grad_() for n, t in dict(x, initial_state=h0).items()
+                 if n in ("q", "k", "v", "g", "beta", "initial_state")}
+            ctx = torch_backend() if backend == "torch" else Poison()
+            with ctx:
+                o, St = kops.chunk_kda(*plain(L), initial_state=L["initial_state"], output_final_state=True,
+                                       cu_seqlens=cu)
+                ((o * do).sum() + (St * dht).sum()).backward()
+            res.append({n: t.grad for n, t in L.items()})
+        for n in res[0]:
+            self.verdict(f"chunk varlen GVA fp32 extreme gates d{n}", rel(res[1][n], res[0][n]), 1e-3)
+
+    def million_tokens(self):
+        """One sequence of 2^20 tokens: forward finite, final state and o = the recurrent kernel's; backward
+        finite."""
+        T, h = S.million
+        x = make(1, T, h=h, lb=True, seed=5)
+        t0 = time.time()
+        with Poison():
+            o, St = kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, True))
+        sync()
+        t1 = time.time()
+        o_rec, S_rec = kops.fused_recurrent_kda(*args5(x), output_final_state=True, **opts(x, True))
+        sync()
+        t2 = time.time()
+        self.flag("1M tokens fwd finite", bool(torch.isfinite(o).all() and torch.isfinite(St).all()),
+                  f"(chunk {t1 - t0:.2f} s incl. compile, recurrent {t2 - t1:.2f} s)")
+        self.verdict("1M tokens final state vs recurrent", rel(St, S_rec), 5e-3)
+        self.verdict("1M tokens o vs recurrent", rel(o, o_rec), 5e-3)
+        del o, St, o_rec, S_rec
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        t0 = time.time()
+        with Poison():
+            o, St = kops.chunk_kda(*args5(leaves), output_final_state=True, **opts(leaves, True))
+            (o.float().sum() + St.sum()).backward()
+        sync()
+        finite = all(bool(torch.isfinite(t.grad).all()) for t in leaves.values())
+        self.flag("1M tokens fwd+bwd gradients finite", finite, f"({time.time() - t0:.2f} s)")
+
+    def decode_state_pool(self):
+        """decode: batch 1 and 256 from a pool, rows not named untouched; a 16-token multi-token step."""
+        for N, T in ((1, 1), (256, 1), (64, 16)):
+            x = make(N, T, seed=3)
+            pool = torch.randn(N + 37, S.H, S.D, S.D, device=S.dev)
+            slots = torch.randperm(N + 37, device=S.dev)[:N]
+            before = pool.clone()
+            with Poison():
+                o, _ = kops.fused_recurrent_kda(*args5(x), initial_state=pool, state_indices=slots, **opts(x, False))
+            ref_pool = before.clone()
+            with torch_backend():
+                o_r, _ = kops.fused_recurrent_kda(*args5(f32(x)), initial_state=ref_pool, state_indices=slots,
+                                                  **opts(x, False))
+            self.verdict(f"decode N={N} T={T} o", rel(o, o_r), 5e-3)
+            self.verdict(f"decode N={N} T={T} pool rows", rel(pool, ref_pool), 1e-5)
+            mask = torch.ones(N + 37, dtype=torch.bool, device=S.dev)
+            mask[slots] = False
+            self.flag(f"decode N={N} rows not named untouched", torch.equal(pool[mask], before[mask]))
+
+
+# -------------------------------------------------------------------------------------------------------------- bench
+def chunk_floor(T_total: int, bw: float, tf: float, backward: bool) -> float:
+    """Floor in ms: bf16 q, k, v, raw gate and o (and beta) once each; with the backward, the inputs again plus do
+    and the five gradients. bw in TB/s, tf in TFLOP/s."""
+    elems = T_total * S.H * S.D
+    fwd_bytes = elems * 2 * 5 + T_total * S.H * 2
+    fwd_flops = 6 * T_total * S.D * S.D * S.H
+    if not backward:
+        return max(fwd_bytes / bw, fwd_flops / tf) / 1e9
+    fb_bytes = 2 * fwd_bytes + elems * 2 * 5
+    return max(fb_bytes / bw, 3 * fwd_flops / tf) / 1e9
+
+
+def fwd_bwd_runner(call, x):
+    """A closure running ``o = call(leaves)`` and ``o.backward(do)`` (fixed cotangent) with fresh leaf gradients;
+    q, k, v, g and beta require grad."""
+    leaves = {n: t.detach().clone().requires_grad_(n in ("q", "k", "v", "g", "beta")) for n, t in x.items()}
+    do = torch.randn_like(x["v"])
+
+    def run():
+        for t in leaves.values():
+            t.grad = None
+        call(leaves).backward(do)
+    return run
+
+
+def bench_chunk(bw: float, tf: float, fla_chunk, backward: bool) -> None:
+    """The public op (default implementation) against fla at both shapes and gates."""
+    for B, T in S.shapes:
+        for lb in (False, True):
+            x = make(B, T, lb=lb)
+            tag = f"{B}x{T} {'lower_bound -5' if lb else 'softplus'}"
+            if not backward:
+                fla_ms = None
+                if fla_chunk is not None:
+                    fla_ms = median_ms(lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))
+                ms = median_ms(lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))
+                row(f"chunk fwd {tag}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
+                continue
+            fla_ms = None
+            if fla_chunk is not None:
+                fla_ms = median_ms(fwd_bwd_runner(
+                    lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x), rep=50)
+            ms = median_ms(fwd_bwd_runner(
+                lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=50)
+            row(f"chunk fwd+bwd {tag}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True), "Triton fwd + bwd")
+            save()
+
+
+def bench_sdpa(backward: bool) -> None:
+    if S.smoke:
+        return
+    for B, T in S.shapes:
+        q, k, v = (torch.randn(B, S.H, T, S.D, device=S.dev, dtype=torch.bfloat16, requires_grad=backward)
+                   for _ in range(3))
+        if backward:
+            do = torch.randn_like(q)
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+        else:
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        row(f"SDPA causal {'fwd+bwd' if backward else 'fwd'} {B}x{T}", median_ms(fn, rep=50), B * T)
+
+
 def bench_decode(bw: float, fla_rec) -> None:
+    if S.smoke:
+        return
+    H, D = S.H, S.D
     for N in (1, 256):
         x = make(N, 1)
         h0 = torch.randn(N, H, D, D, device="cuda")
@@ -180,276 +517,152 @@ def bench_decode(bw: float, fla_rec) -> None:
         slots = torch.randperm(2 * N + 3, device="cuda")[:N]
         pms = median_ms(lambda: tri_recurrent(*args5(x), initial_state=pool, state_indices=slots, **opts(x, False)))
         row(f"decode B={N} state pool, kernel call", pms, N, None, floor, "state_indices in place")
-        for bv in (8, 16, 32, 64):
-            t = graph_ms(lambda bv=bv: tri_recurrent(*args5(x), initial_state=h0, output_final_state=True,
-                                                     block_v=bv, **opts(x, False)))
-            say(f"  sweep decode B={N} BV={bv}: {t * 1e3:.1f} us")
 
 
-# -------------------------------------------------------------------------------------------------------------- chunk
-def chunk_floor(T_total: int, bw: float, tf: float, backward: bool) -> float:
-    """Floor in ms: bf16 q, k, v, raw gate and o (and beta) once each; with the backward, the inputs again plus do
-    and the five gradients. bw in TB/s, tf in TFLOP/s."""
-    elems = T_total * H * D
-    fwd_bytes = elems * 2 * 5 + T_total * H * 2
-    fwd_flops = 6 * T_total * D * D * H
-    if not backward:
-        return max(fwd_bytes / bw, fwd_flops / tf) / 1e9
-    fb_bytes = 2 * fwd_bytes + elems * 2 * 5
-    return max(fb_bytes / bw, 3 * fwd_flops / tf) / 1e9
+# ------------------------------------------------------------------------------------------------------------ profile
+def kernel_times(fn, iters: int = 5) -> list[tuple[str, float, int]]:
+    """(kernel name, ms per call of ``fn``, launches per call) from the CUDA profiler, largest first."""
+    fn()
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CUDA] if S.dev == "cuda" else [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    out = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            out.append((e.key, t / 1e3 / iters, e.count // iters))
+    return sorted(out, key=lambda r: -r[1])
 
 
-def bench_chunk(bw: float, tf: float, fla_chunk, backward: bool) -> None:
-    for B, T in ((16, 2048), (1, 32768)):
-        for lb in (False, True):
-            x = make(B, T, lb=lb)
-            tag = f"{B}x{T} {'lower_bound -5' if lb else 'softplus'}"
-            fl = None
-            if fla_chunk is not None:
-                fl = lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb))
-            ours = lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb))
-            if not backward:
-                fla_ms = median_ms(fl) if fl else None
-                row(f"chunk fwd {tag}", median_ms(ours), B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
-                continue
-            leaves = {n: t.detach().clone().requires_grad_(n in ("q", "k", "v", "g", "beta")) for n, t in x.items()}
-            do = torch.randn_like(x["v"])
-
-            def fb(fn):
-                def run():
-                    for t in leaves.values():
-                        t.grad = None
-                    o, _ = fn(*args5(leaves), output_final_state=True, **(fla_opts if fn is fla_chunk else opts)(
-                        leaves, lb))
-                    o.backward(do)
-                return run
-            fla_ms = median_ms(fb(fla_chunk), rep=50) if fla_chunk else None
-            row(f"chunk fwd+bwd {tag}", median_ms(fb(kops.chunk_kda), rep=50), B * T, fla_ms,
-                chunk_floor(B * T, bw, tf, True), "ours: Triton fwd + PyTorch recompute bwd")
-
-
-def bench_sdpa(backward: bool) -> None:
-    for B, T in ((16, 2048), (1, 32768)):
-        q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-                   for _ in range(3))
-        if backward:
-            do = torch.randn_like(q)
-            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
-        else:
-            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        row(f"SDPA causal {'fwd+bwd' if backward else 'fwd'} {B}x{T}", median_ms(fn, rep=50), B * T)
-
-
-def sweep_scan() -> None:
-    """Launch shape of the scan kernel (block of value columns, warps, pipeline stages) at both shapes."""
-    for B, T in ((16, 2048), (1, 32768)):
-        x = make(B, T)
-        o_ = kops.gate.KernelOptions(**{k: v for k, v in opts(x, False).items()})
-        for bv, nw, ns in ((16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 3), (16, 4, 3)):
-            ms = median_ms(lambda bv=bv, nw=nw, ns=ns: chunk_kda_fwd(*args5(x), D ** -0.5, None, True, o_, None,
-                                                                    block_v=bv, num_warps=nw, num_stages=ns), 50)
-            say(f"  sweep chunk fwd {B}x{T} BV={bv} warps={nw} stages={ns}: {ms:.3f} ms")
-
-
-def profile_chunk() -> None:
-    """Chunk forward variants (part 1 fused or split, warps, diagonal slice), each checked against the PyTorch path
-    at 16x2048 (outputs poisoned) and timed at both shapes: the whole forward, part 1 alone and the scan alone
-    (the latter on stale buffers)."""
-    o_ = None
-    refs = {}
-    for B, T in ((16, 2048), (1, 32768)):
+def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
+    """Where the time goes (per kernel, default pipeline, forward and forward+backward), then every variant of
+    ``VARIANTS``: checked against the PyTorch path at the first shape (o, and with the backward dq, dg), and timed
+    forward and forward+backward at both shapes (the first forward: forward only)."""
+    for B, T in S.shapes:
         x = make(B, T, seed=7)
-        o_ = kops.gate.KernelOptions(**opts(x, False))
-        if B == 16:
+        for what, fn in (("fwd", lambda: ours_fwd(x, False)),
+                         ("fwd+bwd", fwd_bwd_runner(lambda L: ours_grad(L, False)[0], x))):
+            if S.dev != "cuda":
+                continue
+            rows = kernel_times(fn)
+            total = sum(r[1] for r in rows)
+            say(f"  profile {B}x{T} {what} (default pipeline): {total:.3f} ms of kernels: " + "; ".join(
+                f"{name[:40]} {ms:.3f} ms x{n}" for name, ms, n in rows[:14]))
+        save()
+    for B, T in S.shapes:
+        x = make(B, T, seed=7)
+        ref = ref_g = None
+        if (B, T) == S.shapes[0]:
+            do = torch.randn_like(x["v"])
             with torch_backend():
-                refs[B] = kops.chunk_kda(*args5({n: x[n].float() for n in ("q", "k", "v", "g", "beta")}),
-                                         **opts(x, False))[0]
-        for form, iw, ds in (("split", 8, 16), ("split", 4, 16), ("fused", 4, 16)):
-            run = lambda st="both", form=form, iw=iw, ds=ds: chunk_kda_fwd(
-                *args5(x), D ** -0.5, None, True, o_, None, intra_warps=iw, diag_slice=ds, stages=st, impl=form)
-            with Poison():
-                err = rel(run()[0], refs[B]) if B in refs else float("nan")
-            t_all, t_intra = median_ms(run, 30), median_ms(lambda: run("intra"), 30)
-            say(f"  profile {B}x{T} intra {form} warps={iw} diag_slice={ds}: rel err {err:.2e}; fwd {t_all:.3f} ms, "
-                f"part 1 {t_intra:.3f} ms")
-        for bv, nw in ((32, 4), (64, 4)):
-            t = median_ms(lambda bv=bv, nw=nw: chunk_kda_fwd(*args5(x), D ** -0.5, None, True, o_, None, block_v=bv,
-                                                             num_warps=nw, stages="scan"), 30)
-            say(f"  profile {B}x{T} scan BV={bv} warps={nw}: {t:.3f} ms")
+                L = {n: t.float().detach().clone().requires_grad_() for n, t in x.items()}
+                o_r, _ = kops.chunk_kda(*args5(L), **opts(L, False))
+                o_r.backward(do.float())
+                ref, ref_g = o_r.detach(), {n: L[n].grad for n in ("q", "g")}
+                del L
+        for variant, (impl, _) in VARIANTS.items():
+            if over_budget():
+                say(f"  variant {B}x{T} {variant}: skipped (over the time budget)")
+                continue
+            try:
+                err = ""
+                if ref is not None:
+                    with Poison():
+                        o, _ = ours_fwd(x, False, variant)
+                    err = f"o err {rel(o, ref):.1e}"
+                    if impl == "pipeline":
+                        L = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+                        o, _ = ours_grad(L, False, variant)
+                        o.backward(do)
+                        err += ", " + ", ".join(f"d{n} err {rel(L[n].grad, ref_g[n]):.1e}" for n in ref_g)
+                        del L
+                t_f = median_ms(lambda: ours_fwd(x, False, variant), 50)
+                t_fb = None
+                if impl == "pipeline":
+                    t_fb = median_ms(fwd_bwd_runner(lambda L: ours_grad(L, False, variant)[0], x), 50)
+                say(f"  variant {B}x{T} {variant}: fwd {t_f:.3f} ms" + (f", fwd+bwd {t_fb:.3f} ms" if t_fb else "")
+                    + (f"; {err}" if err else ""))
+            except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
+                say(f"  variant {B}x{T} {variant} failed: {type(e).__name__}: {str(e)[:300]}")
+            save()
 
 
-# -------------------------------------------------------------------------------------------------------------- check
-class Poison:
-    """torch.empty returns NaN-filled floating memory inside the block: unwritten outputs show up."""
-
-    def __enter__(self):
-        self.real = torch.empty
-
-        def empty(*a, **kw):
-            t = self.real(*a, **kw)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-        torch.empty = empty
-
-    def __exit__(self, *exc):
-        torch.empty = self.real
-
-
-def check(fla_chunk) -> bool:
-    ok = True
-
-    def verdict(name, err, bar):
-        nonlocal ok
-        good = err == err and err < bar                             # NaN fails
-        ok &= good
-        say(f"check {name}: rel err {err:.2e} (bar {bar:.0e}) {'PASS' if good else 'FAIL'}")
-
-    def compare(name, fn, x, bar, **kw):
-        with Poison():
-            o, S = fn(*args5(x), **kw)
-        with torch_backend():
-            o_r, S_r = fn(*args5({n: x[n].float() for n in ("q", "k", "v", "g", "beta")}), **kw)
-        verdict(f"{name} o", rel(o, o_r), bar)
-        if S is not None:
-            verdict(f"{name} final state", rel(S, S_r), bar)
-        return o, S, o_r
-
-    def chunk_full_size():
-        nonlocal ok
-        for B, T, lb in ((16, 2048, False), (1, 32768, True)):
-            x = make(B, T, lb=lb, seed=1)
-            h0 = torch.randn(B, H, D, D, device="cuda")
-            o, _, o_r = compare(f"chunk {B}x{T} {'lower_bound' if lb else 'softplus'} h0", kops.chunk_kda, x, 5e-3,
-                                initial_state=h0, output_final_state=True, **opts(x, lb))
-            if fla_chunk is not None and not lb:
-                o_f, _ = fla_chunk(*args5(x), initial_state=h0.clone(), output_final_state=True, **fla_opts(x, lb))
-                say(f"  (fla on the same inputs: rel err {rel(o_f, o_r):.2e}; ours {rel(o, o_r):.2e})")
-
-    def varlen_gva_extreme_gates():
-        nonlocal ok
-        # varlen with length-1 sequences, GVA, float32, extreme gates (-1000 every 7th step, exactly 0 every 5th).
-        cu = torch.tensor([0, 1, 2, 1000, 1001, 5000, 8192], device="cuda")
-        x = make(1, 8192, h=16, hv=32, dtype=torch.float32, seed=2)
-        x["k"] = F.normalize(x["k"], dim=-1)
-        x["g"] = F.logsigmoid(x["g"])
-        x["g"][:, ::7] = -1000.0
-        x["g"][:, 3::5] = 0.0
-        x["beta"] = x["beta"].sigmoid()
-        h0 = torch.randn(6, 32, D, D, device="cuda")
-        compare("chunk varlen GVA fp32 extreme gates", kops.chunk_kda, x, 1e-4, initial_state=h0,
-                output_final_state=True, cu_seqlens=cu)
-        compare("recurrent varlen GVA fp32 extreme gates", kops.fused_recurrent_kda, x, 1e-5, initial_state=h0,
-                output_final_state=True, cu_seqlens=cu)
-
-    def decode_state_pool():
-        nonlocal ok
-        # decode: batch 1 and 256 from a pool, rows not named untouched; a 16-token multi-token step.
-        for N, T in ((1, 1), (256, 1), (64, 16)):
-            x = make(N, T, seed=3)
-            pool = torch.randn(N + 37, H, D, D, device="cuda")
-            slots = torch.randperm(N + 37, device="cuda")[:N]
-            before = pool.clone()
-            with Poison():
-                o, _ = kops.fused_recurrent_kda(*args5(x), initial_state=pool, state_indices=slots, **opts(x, False))
-            ref_pool = before.clone()
-            with torch_backend():
-                o_r, _ = kops.fused_recurrent_kda(*args5({n: x[n].float() for n in ("q", "k", "v", "g", "beta")}),
-                                                  initial_state=ref_pool, state_indices=slots, **opts(x, False))
-            verdict(f"decode N={N} T={T} o", rel(o, o_r), 5e-3)
-            verdict(f"decode N={N} T={T} pool rows", rel(pool, ref_pool), 1e-5)
-            mask = torch.ones(N + 37, dtype=torch.bool, device="cuda")
-            mask[slots] = False
-            same = torch.equal(pool[mask], before[mask])
-            ok &= same
-            say(f"check decode N={N} rows not named untouched: {'PASS' if same else 'FAIL'}")
-
-    def gradients():
-        nonlocal ok
-        # gradients (Triton forward, recomputed PyTorch backward) on a mid-size problem.
-        x = make(2, 300, h=4, seed=4)
-        grads = []
-        for backend in ("triton", "torch"):
-            leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-            ctx = torch_backend() if backend == "torch" else contextlib.nullcontext()
-            with ctx:
-                o, _ = kops.chunk_kda(*args5(leaves), **opts(leaves, False))
-            o.float().backward(torch.ones_like(o, dtype=torch.float32))
-            grads.append({n: t.grad for n, t in leaves.items()})
-        for n in grads[1]:
-            verdict(f"chunk grad d{n}", rel(grads[0][n], grads[1][n]), 2e-2)
-
-    def million_tokens():
-        nonlocal ok
-        # one sequence of 2^20 tokens, 4 heads: finite everywhere, final state = the recurrent kernel's.
-        T = 1 << 20
-        x = make(1, T, h=4, lb=True, seed=5)
-        t0 = time.time()
-        with Poison():
-            o, S = kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, True))
-        torch.cuda.synchronize()
-        t1 = time.time()
-        o_rec, S_rec = kops.fused_recurrent_kda(*args5(x), output_final_state=True, **opts(x, True))
-        torch.cuda.synchronize()
-        finite = bool(torch.isfinite(o).all() and torch.isfinite(S).all())
-        ok &= finite
-        say(f"check 1M tokens: finite {'PASS' if finite else 'FAIL'} (chunk {t1 - t0:.2f} s, "
-            f"recurrent {time.time() - t1:.2f} s)")
-        verdict("1M tokens final state vs recurrent", rel(S, S_rec), 5e-3)
-        verdict("1M tokens o vs recurrent", rel(o, o_rec), 5e-3)
-
-
-    for group in (chunk_full_size, varlen_gva_extreme_gates, decode_state_pool, gradients, million_tokens):
-        try:
-            group()
-        except Exception as e:  # noqa: BLE001 - report, keep checking
-            ok = False
-            say(f"check {group.__name__} crashed: {type(e).__name__}: {e}")
-    return ok
-
-
+# --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
+    global S, OUT, BUDGET
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
-    p.add_argument("--bench", action="store_true", help="with --check: time as well")
+    p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
+    p.add_argument("--profile", action="store_true", help="per-kernel times and the chunk variants")
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
-    p.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
-    p.add_argument("--profile", action="store_true", help="only the chunk-forward variants (checked, timed)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode checks and rows")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    S, OUT, BUDGET = Setup(a.smoke), a.out, a.budget
+    if not a.smoke and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --smoke)")
         return 2
+    bench = a.bench or not (a.check or a.profile)
     import triton
-    say(f"{time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} triton "
-        f"{triton.__version__} python {platform.python_version()}")
+    dev = torch.cuda.get_device_name() if S.dev == "cuda" else "CPU (interpreter)"
+    say(f"{time.strftime('%Y-%m-%d')} {dev} torch {torch.__version__} triton {triton.__version__} "
+        f"python {platform.python_version()}")
     fla_chunk, fla_rec = fla_ops()
-    ok = True
+    checks = Checks(fla_chunk)
+    ceil: list[float] = []
+
+    def need_ceilings():
+        if not ceil:
+            ceil.extend(ceilings())
+        return ceil
+
+    steps = []                                                      # (name, wanted, fn) in priority order
+    steps += [("check chunk forward", a.check, checks.chunk_forward)]
+    steps += [("bench chunk forward", bench, lambda: bench_chunk(*need_ceilings(), fla_chunk, False))]
+    steps += [("check chunk backward", a.check, checks.chunk_backward)]
+    steps += [("bench chunk forward+backward", bench and not a.no_backward,
+               lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
+    steps += [("check 1M tokens", a.check, checks.million_tokens)]
+    steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
+    steps += [("profile chunk", a.profile, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
+    steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
+    steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
+    steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]
+    skipped = []
     try:
-        if a.profile:
-            profile_chunk()
-            return 0
+        for name, wanted, fn in steps:
+            if not wanted:
+                continue
+            if over_budget():
+                skipped.append(name)
+                continue
+            t0 = time.time()
+            say(f"== {name} (t = {t0 - START:.0f} s)")
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - one failing step must not lose the others' numbers
+                checks.ok &= not name.startswith("check")
+                if name.startswith("check"):
+                    checks.failed.append(f"{name} (crashed)")
+                say(f"step {name} failed: {type(e).__name__}: {str(e)[:500]}")
+                say("".join(traceback.format_exc().splitlines(keepends=True)[-6:]))
+            if S.dev == "cuda":
+                torch.cuda.empty_cache()
+            save()
+        if skipped:
+            say(f"skipped (over the {a.budget:.0f} s budget): {', '.join(skipped)}")
         if a.check:
-            ok = check(fla_chunk)
-            say(f"CHECK {'PASS' if ok else 'FAIL'}")
-        if not a.check or a.bench:
-            bw, tf = ceilings()
-            steps = [lambda: bench_decode(bw, fla_rec), lambda: bench_chunk(bw, tf, fla_chunk, False),
-                     lambda: bench_sdpa(False)]
-            if not a.no_backward:
-                steps += [lambda: bench_chunk(bw, tf, fla_chunk, True), lambda: bench_sdpa(True)]
-            if a.sweep:
-                steps.append(sweep_scan)
-            for step in steps:
-                try:
-                    step()
-                except Exception as e:  # noqa: BLE001 - one failing step must not lose the others' numbers
-                    say(f"step failed: {type(e).__name__}: {e}")
-            print_table(bw, tf)
+            say(f"CHECK {'PASS' if checks.ok else 'FAIL'}" + (f": {', '.join(checks.failed)}" if checks.failed else ""))
+        if ROWS:
+            print_table(*need_ceilings())
     finally:
-        with open(os.path.join(a.out, "kernels.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
-        with open(os.path.join(a.out, "kernels.json"), "w") as f:
-            json.dump(ROWS, f, indent=1)
-    return 0 if ok else 1
+        save()
+    return 0 if checks.ok else 1
 
 
 def print_table(bw: float, tf: float) -> None:
