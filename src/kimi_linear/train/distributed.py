@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kimi_linear.layers.context_parallel import ContextParallel
 
 from .tasks import IGNORE
-from .trainer import BatchSource, Trainer, forward_logits
+from .trainer import BatchSource, Trainer
 
 DCP_DIR = "dcp"
 
@@ -121,42 +121,13 @@ class ContextParallelTrainer(Trainer):
     on a piece with none). Here rank r's loss is ``sum(CE over its labels) * loss_scale`` with ``loss_scale = world
     / N``, N the labelled tokens of the global batch (every rank builds the whole batch, so N needs no
     communication): FSDP's average over the ranks is the whole batch's mean, as one process computes it, and so is
-    the reported loss. Otherwise this is :meth:`Trainer.train_step` (kept in step with it).
+    the reported loss.
     """
 
-    def train_step(self) -> dict[str, float]:
-        c = self.config
-        self.model.train()
-        lr = self.lr(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        autocast = self.device.type == "cuda" and c.bf16
-        loss_sum, tokens = 0.0, 0
-        for micro in range(c.grad_accum):
-            batch = {k: v.to(self.device) for k, v in self.source.batch(self.step, micro).items()}
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                logits = forward_logits(self.model, batch)
-            ce = F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(), ignore_index=IGNORE,
-                                 reduction="sum")
-            loss = ce * batch["loss_scale"]
-            (loss / c.grad_accum).backward()
-            loss_sum += loss.item()
-            tokens += batch["input_ids"].numel()
-        total = torch.tensor(loss_sum, dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        loss_sum = total.item() / dist.get_world_size()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
-        grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        record = {"step": self.step, "loss": loss_sum / c.grad_accum, "grad_norm": grad_norm, "lr": lr,
-                  "tokens": tokens}
-        if self.routers is not None:
-            kw = {"rate": c.balance_rate} if c.balance == "sign" else {"damping": c.balance_damping}
-            record["expert_load_max_over_mean"] = self.routers.update(c.balance, **kw)
-        self.history.append(record)
-        return record
+    def batch_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ce = F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(), ignore_index=IGNORE,
+                             reduction="sum")
+        return ce * batch["loss_scale"]
 
 
 def checkpoint_layers(model: torch.nn.Module) -> torch.nn.Module:

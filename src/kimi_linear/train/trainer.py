@@ -150,6 +150,10 @@ class Trainer:
         return lr_at(step, peak=c.lr, total=c.steps, warmup=c.warmup, schedule=c.schedule,
                      min_ratio=c.min_lr_ratio, decay_fraction=c.decay_fraction)
 
+    def batch_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss this rank backpropagates for one micro-batch: mean next-token cross-entropy."""
+        return lm_loss(logits, batch["labels"])
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns loss, grad norm, lr and token count."""
         c = self.config
@@ -163,7 +167,7 @@ class Trainer:
             batch = {k: v.to(self.device) for k, v in self.source.batch(self.step, micro).items()}
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 logits = forward_logits(self.model, batch)
-            loss = lm_loss(logits, batch["labels"])
+            loss = self.batch_loss(logits, batch)
             (loss / c.grad_accum).backward()
             loss_sum += loss.item()
             tokens += batch["input_ids"].numel()
