@@ -35,6 +35,7 @@ from .chunk_common import (
     load_norms,
     load_row_scalars,
     load_rows,
+    load_state,
     mm,
     store_rows,
     sub_block_total,
@@ -60,7 +61,6 @@ def chunk_kda_bwd_inter_kernel(
     t0 = i_t * BT
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
     p_h = h + (i_c.to(tl.int64) * HV + i_hv) * K * V
     p_dh = dh + (i_c.to(tl.int64) * HV + i_hv) * K * V
 
@@ -70,9 +70,8 @@ def chunk_kda_bwd_inter_kernel(
     b_dgc = tl.zeros([BK], dtype=tl.float32)                              # [BK] sum_v S dS'
     for c0 in range(0, V, BV):
         o_v = c0 + tl.arange(0, BV)
-        m_s = m_k[:, None] & (o_v < V)[None, :]
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)      # [BK, BV]
-        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)    # [BK, BV]
+        b_h = load_state(p_h, o_k, o_v, K, V)                                           # [BK, BV]
+        b_dh = load_state(p_dh, o_k, o_v, K, V)                                         # [BK, BV]
         b_vn = load_rows(vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)                        # [BT, BV]
         b_dvn = load_rows(dvn, bos, t0, T_n, i_hv, HV, V, o_v, BT)                      # [BT, BV]
         b_do = load_rows(do, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(b_vn.dtype)         # [BT, BV]
@@ -178,13 +177,25 @@ def diagonal_grads(b_dAq, b_dAk, b_q, b_k, b_P, r0, T_n, BC: tl.constexpr, PREC:
         b_dkr = b_e * mm(b_dAk, b_kie, PREC)
         b_dkc = b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
     else:
+        # Strong decay: exp(P_i - P_j) formed per column j, only where j <= i on valid rows (exponent <= 0);
+        # one [BC, BK] block at a time keeps this rare path's registers as small as the fast one's.
         o_r = tl.arange(0, BC)
-        m3 = ((o_r[:, None] >= o_r[None, :]) & ((r0 + o_r) < T_n)[:, None])[:, :, None]   # [BC, BC, 1]
-        # exp(P_i - P_j) only where j <= i on valid rows (exponent <= 0).
-        b_f = tl.where(m3, tl.exp(tl.where(m3, b_P[:, None, :] - b_P[None, :, :], 0.0)), 0.0)   # [BC, BC, BK]
-        b_dq = tl.sum(b_dAq[:, :, None] * (b_k[None, :, :] * b_f), 1)
-        b_dkr = tl.sum(b_dAk[:, :, None] * (b_k[None, :, :] * b_f), 1)
-        b_dkc = tl.sum((b_dAq[:, :, None] * b_q[:, None, :] + b_dAk[:, :, None] * b_k[:, None, :]) * b_f, 0)
+        m_v = (r0 + o_r) < T_n
+        b_dq = tl.zeros_like(b_q)
+        b_dkr = tl.zeros_like(b_q)
+        b_dkc = tl.zeros_like(b_q)
+        for j in range(0, BC):
+            m_j = (o_r == j)[:, None]
+            b_kj = tl.sum(tl.where(m_j, b_k, 0.0), 0)                         # [BK] row j of k
+            b_Pj = tl.sum(tl.where(m_j, b_P, 0.0), 0)                         # [BK]
+            m_i = ((o_r >= j) & m_v)[:, None]                                 # rows i >= j
+            b_f = tl.where(m_i, tl.exp(tl.where(m_i, b_P - b_Pj[None, :], 0.0)), 0.0)   # [BC, BK]
+            b_aq = tl.sum(tl.where(o_r[None, :] == j, b_dAq, 0.0), 1)         # [BC] column j of dAqk
+            b_ak = tl.sum(tl.where(o_r[None, :] == j, b_dAk, 0.0), 1)         # [BC] column j of dAkk
+            b_dq += b_aq[:, None] * b_kj[None, :] * b_f
+            b_dkr += b_ak[:, None] * b_kj[None, :] * b_f
+            b_col = tl.sum((b_aq[:, None] * b_q + b_ak[:, None] * b_k) * b_f, 0)   # [BK] gradient of k_j
+            b_dkc += tl.where(m_j, b_col[None, :], 0.0)
     return b_dq, b_dkr, b_dkc
 
 
@@ -219,7 +230,9 @@ def chunk_kda_bwd_intra_kernel(
     b_dA_log = tl.zeros([BK], dtype=tl.float32)                            # [BK]
     b_dbias = tl.zeros([BK], dtype=tl.float32)                             # [BK]
 
-    for S in tl.static_range(NC - 1, -1, -1):                              # last sub-block first (reverse cumsum)
+    # Runtime (not unrolled) loops: one sub-block's tiles live at a time.
+    for s in range(0, NC):
+        S = NC - 1 - s                                                      # last sub-block first (reverse cumsum)
         rS = t0 + S * BC
         m_r = (rS + o_j) < T_n
         b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2
@@ -231,9 +244,9 @@ def chunk_kda_bwd_intra_kernel(
         # Rows of S against earlier columns J: factor through the row before S (as the forward scores).
         b_dq = tl.zeros([BC, BK], dtype=tl.float32)                        # [BC, BK]
         b_dkr = tl.zeros([BC, BK], dtype=tl.float32)                       # [BC, BK]
-        for J in tl.static_range(S):
+        for J in range(0, S):
             rJ = t0 + J * BC
-            _, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)
+            b_unused, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)
             b_tJ = sub_block_total(gP, bos, t0, J, T_n, i_hv, HV, K, o_k, BC)
             b_btw = between_total(gP, bos, t0, J, S, T_n, i_hv, HV, K, o_k, BC, BK)
             b_PJ = load_rows(gP, bos, rJ, T_n, i_hv, HV, K, o_k, BC)
@@ -248,7 +261,7 @@ def chunk_kda_bwd_intra_kernel(
         b_dkr *= b_eS
         # Columns of S against later rows I: factor through S's last row.
         b_dkc = tl.zeros([BC, BK], dtype=tl.float32)                       # [BC, BK]
-        for I in tl.static_range(S + 1, NC):
+        for I in range(S + 1, NC):
             rI = t0 + I * BC
             b_rqI, b_rkI = load_norms(rq, rk, bos, rI, T_n, i_h, H, BC, USE_QK_L2NORM)
             b_btw = between_total(gP, bos, t0, S, I, T_n, i_hv, HV, K, o_k, BC, BK)

@@ -111,33 +111,74 @@ def seq_coords(i_n, cu_seqlens, chunk_offsets, T, IS_VARLEN: tl.constexpr, BT: t
 @triton.jit
 def load_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: tl.constexpr):
     """Rows r0 .. r0 + BR (within the sequence) of a ``[*, NH, W]`` tensor at columns o_c, in its own dtype; zero
-    past T_n or W."""
-    o_r = r0 + tl.arange(0, BR)
-    m = (o_r < T_n)[:, None] & (o_c < W)[None, :]
-    return tl.load(p + ((bos + o_r) * NH + i_h)[:, None] * W + o_c[None, :], mask=m, other=0.0)
+    past T_n or W. The row offset is int64 math on the scalar base; the tile's own offsets stay int32.
+
+    Column blocks always start at a multiple of their width: when the width divides W every column is inside and
+    the mask is per row only, constant along the contiguous dimension, which keeps the load vectorised."""
+    p_x = p + ((bos + r0) * NH + i_h) * W
+    o_r = tl.arange(0, BR)
+    m_r = ((r0 + o_r) < T_n)[:, None]
+    if tl.constexpr(W) % o_c.shape[0] == 0:
+        b_x = tl.load(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], mask=m_r, other=0.0)
+    else:
+        b_x = tl.load(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], mask=m_r & (o_c < W)[None, :], other=0.0)
+    return b_x
 
 
 @triton.jit
 def store_rows(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: tl.constexpr):
-    """Store ``b_x [BR, len(o_c)]`` into rows r0 .. of a ``[*, NH, W]`` tensor (rows past T_n skipped)."""
-    o_r = r0 + tl.arange(0, BR)
-    m = (o_r < T_n)[:, None] & (o_c < W)[None, :]
-    tl.store(p + ((bos + o_r) * NH + i_h)[:, None] * W + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m)
+    """Store ``b_x [BR, len(o_c)]`` into rows r0 .. of a ``[*, NH, W]`` tensor (rows past T_n skipped; masks as in
+    :func:`load_rows`)."""
+    p_x = p + ((bos + r0) * NH + i_h) * W
+    o_r = tl.arange(0, BR)
+    m_r = ((r0 + o_r) < T_n)[:, None]
+    if tl.constexpr(W) % o_c.shape[0] == 0:
+        tl.store(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m_r)
+    else:
+        tl.store(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], cast(b_x, p.dtype.element_ty),
+                 mask=m_r & (o_c < W)[None, :])
 
 
 @triton.jit
 def store_cols(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, m_c, BR: tl.constexpr):
     """:func:`store_rows` restricted to the columns where ``m_c`` holds."""
-    o_r = r0 + tl.arange(0, BR)
-    m = (o_r < T_n)[:, None] & (m_c & (o_c < W))[None, :]
-    tl.store(p + ((bos + o_r) * NH + i_h)[:, None] * W + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m)
+    p_x = p + ((bos + r0) * NH + i_h) * W
+    o_r = tl.arange(0, BR)
+    m = (r0 + o_r < T_n)[:, None] & (m_c & (o_c < W))[None, :]
+    tl.store(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def state_full(o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Whether a [len(o_k), len(o_v)] block of a K x V state (blocks start at multiples of their widths) lies
+    inside it: then its loads and stores need no mask (and stay vectorised)."""
+    return (tl.constexpr(K) % o_k.shape[0] == 0) & (tl.constexpr(V) % o_v.shape[0] == 0)
+
+
+@triton.jit
+def load_state(p, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Block (o_k, o_v) of the K x V state at ``p``, zero outside."""
+    p_x = p + o_k[:, None] * V + o_v[None, :]
+    if state_full(o_k, o_v, K, V):
+        return tl.load(p_x)
+    return tl.load(p_x, mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+
+
+@triton.jit
+def store_state(p, b_x, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Store b_x into block (o_k, o_v) of the K x V state at ``p`` (in p's dtype)."""
+    p_x = p + o_k[:, None] * V + o_v[None, :]
+    if state_full(o_k, o_v, K, V):
+        tl.store(p_x, cast(b_x, p.dtype.element_ty))
+    else:
+        tl.store(p_x, cast(b_x, p.dtype.element_ty), mask=(o_k < K)[:, None] & (o_v < V)[None, :])
 
 
 @triton.jit
 def load_row_scalars(p, bos, r0, T_n, i_h, NH: tl.constexpr, BR: tl.constexpr):
     """Rows r0 .. r0 + BR of a ``[*, NH]`` tensor as float32 (zero past T_n)."""
-    o_r = r0 + tl.arange(0, BR)
-    return tl.load(p + (bos + o_r) * NH + i_h, mask=o_r < T_n, other=0.0).to(tl.float32)
+    o_r = tl.arange(0, BR)
+    return tl.load(p + ((bos + r0) * NH + i_h) + o_r * NH, mask=r0 + o_r < T_n, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -44,9 +44,9 @@ class LaunchConfig:
 
     store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
     scores_bks: int = 64              # key channels per step in the scores kernel
-    scores_bkd: int = 16              # key channels per step of its strong-decay (pairwise) diagonal path
+    scores_bkd: int = 8               # key channels per step of its strong-decay (pairwise) diagonal path
     scores_warps: int = 4
-    wy_bks: int = 64                  # key / value columns per step in the inverse + WY kernel
+    wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
     h_warps: int = 4
@@ -55,7 +55,7 @@ class LaunchConfig:
     o_bks: int = 64
     o_warps: int = 4
     bwd_bk: int = 32                  # key channels per program of the backward's per-chunk kernels
-    bwd_warps: int = 4
+    bwd_warps: int = 8
 
 
 DEFAULT_CONFIG = LaunchConfig()

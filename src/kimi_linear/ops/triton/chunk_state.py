@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import cast, chunk_coords, load_rows, mm, seq_coords, store_rows
+from .chunk_common import cast, chunk_coords, load_rows, load_state, mm, seq_coords, store_rows, store_state
 
 
 @triton.jit
@@ -43,16 +43,14 @@ def chunk_kda_fwd_h_kernel(
     bos, T_n, c_first = seq_coords(i_n, cu_seqlens, chunk_offsets, T, IS_VARLEN, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_hs = (o_k < K)[:, None] & (o_v < V)[None, :]
-    o_hs = o_k[:, None] * V + o_v[None, :]                                  # [BK, BV] offsets in one state
     b_h = tl.zeros([BK, BV], dtype=tl.float32)                             # [BK, BV]
     if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + (i_nh.to(tl.int64) * K * V) + o_hs, mask=m_hs, other=0.0)
+        b_h += load_state(h0 + i_nh.to(tl.int64) * K * V, o_k, o_v, K, V)
 
     for i_t in range(0, tl.cdiv(T_n, BT)):
         t0 = i_t * BT
         if STORE_STATES:
-            tl.store(h + ((c_first + i_t) * HV + i_hv) * K * V + o_hs, cast(b_h, h.dtype.element_ty), mask=m_hs)
+            store_state(h + ((c_first + i_t) * HV + i_hv) * K * V, b_h, o_k, o_v, K, V)
         b_w = load_rows(w, bos, t0, T_n, i_hv, HV, K, o_k, BT)               # [BT, BK]
         b_kg = load_rows(kg, bos, t0, T_n, i_hv, HV, K, o_k, BT)             # [BT, BK]
         b_u = load_rows(u, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32)   # [BT, BV]
@@ -64,7 +62,7 @@ def chunk_kda_fwd_h_kernel(
         b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
 
     if STORE_FINAL_STATE:
-        tl.store(ht + (i_nh.to(tl.int64) * K * V) + o_hs, b_h, mask=m_hs)
+        store_state(ht + i_nh.to(tl.int64) * K * V, b_h, o_k, o_v, K, V)
 
 
 @triton.jit
@@ -85,8 +83,7 @@ def chunk_kda_fwd_o_kernel(
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_qg = load_rows(qg, bos, t0, T_n, i_hv, HV, K, o_k, BT)             # [BT, BKS]
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :],
-                      other=0.0)                                            # [BKS, BV]
+        b_h = load_state(p_h, o_k, o_v, K, V)                               # [BKS, BV]
         b_o += mm(b_qg, b_h, PREC)
     b_A = load_rows(Aqk, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)  # [BT, BT]
     b_o += mm(b_A, load_rows(vn, bos, t0, T_n, i_hv, HV, V, o_v, BT), PREC)
@@ -108,17 +105,15 @@ def chunk_kda_bwd_dh_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    m_hs = (o_k < K)[:, None] & (o_v < V)[None, :]
-    o_hs = o_k[:, None] * V + o_v[None, :]
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)                            # [BK, BV]
     if USE_FINAL_STATE_GRADIENT:
-        b_dh += tl.load(dht + (i_nh.to(tl.int64) * K * V) + o_hs, mask=m_hs, other=0.0)
+        b_dh += load_state(dht + i_nh.to(tl.int64) * K * V, o_k, o_v, K, V)
 
     NT_n = tl.cdiv(T_n, BT)
     for i_r in range(0, NT_n):
         i_t = NT_n - 1 - i_r
         t0 = i_t * BT
-        tl.store(dh + ((c_first + i_t) * HV + i_hv) * K * V + o_hs, cast(b_dh, dh.dtype.element_ty), mask=m_hs)
+        store_state(dh + ((c_first + i_t) * HV + i_hv) * K * V, b_dh, o_k, o_v, K, V)
         b_qg = load_rows(qg, bos, t0, T_n, i_hv, HV, K, o_k, BT)             # [BT, BK]
         b_kg = load_rows(kg, bos, t0, T_n, i_hv, HV, K, o_k, BT)             # [BT, BK]
         b_w = load_rows(w, bos, t0, T_n, i_hv, HV, K, o_k, BT)               # [BT, BK]
@@ -131,4 +126,4 @@ def chunk_kda_bwd_dh_kernel(
         b_dh = (b_dh * b_d[:, None] + scale * mm(tl.trans(b_qg), b_do, PREC)
                 - mm(tl.trans(b_w), b_dvn, PREC))
 
-    tl.store(dh0 + (i_nh.to(tl.int64) * K * V) + o_hs, b_dh, mask=m_hs)
+    store_state(dh0 + i_nh.to(tl.int64) * K * V, b_dh, o_k, o_v, K, V)

@@ -100,7 +100,7 @@ def chunk_kda_fwd_scores_kernel(
 
     for J in range(0, I):
         rJ = t0 + J * BC
-        _, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)  # [BC]
+        b_unused, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)  # [BC]
         b_aq = tl.zeros([BC, BC], dtype=tl.float32)
         b_ak = tl.zeros([BC, BC], dtype=tl.float32)
         for c0 in range(0, K, BKS):
