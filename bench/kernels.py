@@ -6,6 +6,7 @@
     python bench/kernels.py --check                  # correctness at full size on the GPU (no timings)
     python bench/kernels.py --check --bench --profile --no-decode --budget 280    # the issue-4 run, < 5 min
     python bench/kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
+    python bench/kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
 
 Shapes of SPEC section 7: bf16, H=32, K=V=128; chunk forward and forward+backward at 16 x 2048 and 1 x 32768 tokens
 with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and once with the
@@ -590,6 +591,77 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
             save()
 
 
+# ------------------------------------------------------------------------------------------------- offline sm_90 build
+def offline_sm90(cfg_json: str) -> int:
+    """Compile every kernel launch of the pipeline's forward and backward for sm_90 without a GPU (Triton's own
+    ptxas and cuobjdump) and print registers, stack (spills) and product instructions per kernel. The launches are
+    captured from a CPU run with the kernels not executed; pointer and int arguments get the 16-divisibility the
+    JIT would see on real allocations (without it every load compiles scalar)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
+
+    launches = []
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, kw))
+    B, T, H, HV, K, V = 1, 256, 2, 2, S.D, S.D
+    rnd = lambda *s, dt=torch.bfloat16: torch.randn(*s).to(dt)
+    x = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V), g=rnd(B, T, HV, K), beta=rnd(B, T, HV))
+    cfg = LaunchConfig(**json.loads(cfg_json or "{}"))
+    for lb in (None, -5.0):
+        o_ = KernelOptions(True, True, True, False, torch.randn(HV), torch.randn(HV * K), lb)
+        h0 = torch.randn(B, HV, K, V)
+        chunk_kda_fwd_pipeline(*args5(x), K ** -0.5, h0, True, o_, None, cfg)
+        chunk_kda_bwd_pipeline(*args5(x), K ** -0.5, h0, o_, None, rnd(B, T, HV, V), torch.randn(B, HV, K, V), cfg)
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+           torch.int64: "*i64"}
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    seen = set()
+    for fn, kw in launches:
+        nw, ns = kw.pop("num_warps", 4), kw.pop("num_stages", 3)
+        sig, const, attrs = {}, {}, {}
+        for prm in fn.params:
+            val = kw[prm.name]
+            if prm.is_constexpr:
+                sig[prm.name], const[prm.name] = "constexpr", val
+            elif isinstance(val, torch.Tensor):
+                sig[prm.name] = ptr[val.dtype]
+                attrs[(prm.num,)] = [["tt.divisibility", 16]]
+            elif isinstance(val, int):
+                sig[prm.name] = "i32"
+                if val % 16 == 0:
+                    attrs[(prm.num,)] = [["tt.divisibility", 16]]
+            else:
+                sig[prm.name] = "fp32"
+        key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), nw, ns)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            ck = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 128),
+                                options=dict(num_warps=nw, num_stages=ns))
+        except Exception as e:  # noqa: BLE001
+            say(f"{fn.__name__}: COMPILE ERROR {type(e).__name__}: {str(e)[:1500]}")
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(ck.asm["cubin"])
+            f.flush()
+            use = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                                 capture_output=True, text=True).stdout
+            sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
+                                  capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", use)
+        ops = " ".join(f"{o} {len(re.findall(o, sass))}" for o in ("HGMMA", "HMMA", "STL", "LDL"))
+        say(f"{fn.__name__:32s} warps {nw} stages {ns}: {m.group(0) if m else '?'}; {ops}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
     global S, OUT, BUDGET
@@ -601,9 +673,14 @@ def main() -> int:
     p.add_argument("--no-decode", action="store_true", help="skip the decode checks and rows")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
+    p.add_argument("--offline-sm90", metavar="CFG_JSON", nargs="?", const="{}", default=None,
+                   help="no GPU needed: compile the pipeline's kernels for sm_90, print registers/spills "
+                        "(optionally with LaunchConfig fields as JSON)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
     S, OUT, BUDGET = Setup(a.smoke), a.out, a.budget
+    if a.offline_sm90 is not None:
+        return offline_sm90(a.offline_sm90)
     if not a.smoke and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --smoke)")
         return 2
