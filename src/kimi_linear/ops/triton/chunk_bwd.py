@@ -104,11 +104,11 @@ def chunk_kda_bwd_inter_kernel(
     store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dg_p, b_dg, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
-    m_t = t0 + o_t < T_n
-    o_p = i_k.to(tl.int64) * STRIDE_NK + (bos + t0 + o_t) * HV + i_hv     # [BT] rows of the partial buffers
-    tl.store(db_p + o_p, tl.sum(b_dKb * b_kn, 1), mask=m_t)
-    b_dT = mm(b_dw, tl.trans(b_kn * b_beta[:, None]), PREC)                # [BT, BT] this key block's dw Kb^T
-    tl.store(dT_p + o_p[:, None] * BT + o_t[None, :], b_dT, mask=m_t[:, None])
+    # This key block's share of dbeta and of dTm = dw Kb^T, into its slice of the partial buffers.
+    p_db = db_p + (i_k.to(tl.int64) * STRIDE_NK + (bos + t0) * HV + i_hv)
+    tl.store(p_db + o_t * HV, tl.sum(b_dKb * b_kn, 1), mask=t0 + o_t < T_n)
+    b_dT = mm(b_dw, tl.trans(b_kn * b_beta[:, None]), PREC)                # [BT, BT]
+    store_rows(dT_p + i_k.to(tl.int64) * STRIDE_NK * BT, b_dT, bos, t0, T_n, i_hv, HV, BT, o_t, BT)
 
 
 @triton.jit
@@ -126,14 +126,13 @@ def chunk_kda_bwd_wy_kernel(
     t0 = i_t * BT
     o_t = tl.arange(0, BT)
     m_t = t0 + o_t < T_n
-    o_p = (bos + t0 + o_t) * HV + i_hv                                     # [BT]
     b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT)              # [BT, BT]
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)                            # [BT, BT]
     b_db = tl.zeros([BT], dtype=tl.float32)                                # [BT]
-    for i_k in range(0, NK):
-        o_pk = i_k * STRIDE_NK + o_p
-        b_dT += tl.load(dT_p + o_pk[:, None] * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
-        b_db += tl.load(db_p + o_pk, mask=m_t, other=0.0)
+    stride = bos * 0 + STRIDE_NK                                           # int64: the buffers pass 2^31 elements
+    for i_k in range(0, NK):                                               # the inter kernel's key blocks
+        b_dT += load_rows(dT_p + i_k * stride * BT, bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+        b_db += load_row_scalars(db_p + i_k * stride, bos, t0, T_n, i_hv, HV, BT)
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
 
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)                          # [BT, BT]
@@ -162,7 +161,7 @@ def chunk_kda_bwd_wy_kernel(
         b_db = b_db * b_s * (1.0 - b_s)
         if NEG_EIGVAL:
             b_db = 2.0 * b_db
-    tl.store(dbeta + o_p, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + ((bos + t0) * HV + i_hv) + o_t * HV, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
