@@ -207,16 +207,15 @@ def f32(x):
     return {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
 
 
-VARIANTS = {                                                   # chunk forward/backward variants (--profile)
+VARIANTS = {                                                   # chunk variants (--profile), most telling first
     "pipeline": ("pipeline", DEFAULT_CONFIG),
     "pipeline store=f32": ("pipeline", replace(DEFAULT_CONFIG, store="float32")),
+    "fused (first forward)": ("fused", DEFAULT_CONFIG),
     "pipeline h_bv=64": ("pipeline", replace(DEFAULT_CONFIG, h_bv=64)),
     "pipeline h_bv=16": ("pipeline", replace(DEFAULT_CONFIG, h_bv=16)),
-    "pipeline scores_bks=128 wy_bks=128": ("pipeline", replace(DEFAULT_CONFIG, scores_bks=128, wy_bks=128)),
-    "pipeline bwd_bk=64": ("pipeline", replace(DEFAULT_CONFIG, bwd_bk=64)),
-    "pipeline 8 warps": ("pipeline", replace(DEFAULT_CONFIG, scores_warps=8, wy_warps=8, o_warps=8,
-                                             bwd_warps=8)),
-    "fused (first forward)": ("fused", DEFAULT_CONFIG),
+    "pipeline 8 warps": ("pipeline", replace(DEFAULT_CONFIG, scores_warps=8, wy_warps=8, o_warps=8)),
+    "pipeline bwd 4 warps": ("pipeline", replace(DEFAULT_CONFIG, bwd_warps=4)),
+    "pipeline scores_bks=128": ("pipeline", replace(DEFAULT_CONFIG, scores_bks=128)),
 }
 
 

@@ -118,7 +118,7 @@ def load_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: 
     p_x = p + ((bos + r0) * NH + i_h) * W
     o_r = tl.arange(0, BR)
     m_r = ((r0 + o_r) < T_n)[:, None]
-    if tl.constexpr(W) % o_c.shape[0] == 0:
+    if W // o_c.shape[0] * o_c.shape[0] == W:                             # the width divides W
         b_x = tl.load(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], mask=m_r, other=0.0)
     else:
         b_x = tl.load(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], mask=m_r & (o_c < W)[None, :], other=0.0)
@@ -132,7 +132,7 @@ def store_rows(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c
     p_x = p + ((bos + r0) * NH + i_h) * W
     o_r = tl.arange(0, BR)
     m_r = ((r0 + o_r) < T_n)[:, None]
-    if tl.constexpr(W) % o_c.shape[0] == 0:
+    if W // o_c.shape[0] * o_c.shape[0] == W:                             # the width divides W
         tl.store(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], cast(b_x, p.dtype.element_ty), mask=m_r)
     else:
         tl.store(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], cast(b_x, p.dtype.element_ty),
@@ -152,7 +152,7 @@ def store_cols(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c
 def state_full(o_k, o_v, K: tl.constexpr, V: tl.constexpr):
     """Whether a [len(o_k), len(o_v)] block of a K x V state (blocks start at multiples of their widths) lies
     inside it: then its loads and stores need no mask (and stay vectorised)."""
-    return (tl.constexpr(K) % o_k.shape[0] == 0) & (tl.constexpr(V) % o_v.shape[0] == 0)
+    return (K // o_k.shape[0] * o_k.shape[0] == K) & (V // o_v.shape[0] * o_v.shape[0] == V)
 
 
 @triton.jit
