@@ -7,6 +7,7 @@ function of the generator's seed, so training resumes exactly and held-out sets 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -105,22 +106,27 @@ class Stack:
         coin = torch.rand(B, n_ops, generator=gen).tolist()
         pick = _randint(self.num_stacks, (B, n_ops), gen).tolist()
         vals = (self.num_stacks + _randint(self.num_values, (B, n_ops), gen)).tolist()
-        ids = torch.full((B, T), push, dtype=torch.int64)
-        labels = torch.full((B, T), IGNORE, dtype=torch.int64)
+        ids = [[push] * T for _ in range(B)]
+        labels = [[IGNORE] * T for _ in range(B)]
         for b in range(B):
+            row, lab = ids[b], labels[b]
             stacks: list[list[int]] = [[] for _ in range(self.num_stacks)]
+            nonempty: list[int] = []                 # indices of non-empty stacks, kept sorted
             for i in range(n_ops):
-                nonempty = [s for s in range(self.num_stacks) if stacks[s]]
                 if nonempty and coin[b][i] < 0.5:
                     s = nonempty[pick[b][i] % len(nonempty)]
                     x = stacks[s].pop()
-                    ids[b, 3 * i:3 * i + 3] = torch.tensor([pop, s, x])
-                    labels[b, 3 * i + 1] = x
+                    if not stacks[s]:
+                        nonempty.remove(s)
+                    row[3 * i:3 * i + 3] = (pop, s, x)
+                    lab[3 * i + 1] = x
                 else:
                     s, x = pick[b][i], vals[b][i]
+                    if not stacks[s]:
+                        bisect.insort(nonempty, s)
                     stacks[s].append(x)
-                    ids[b, 3 * i:3 * i + 3] = torch.tensor([push, s, x])
-        return ids, labels
+                    row[3 * i:3 * i + 3] = (push, s, x)
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(labels, dtype=torch.int64)
 
 
 Task = MQAR | Palindrome | Stack
