@@ -20,9 +20,9 @@ from .triton_cases import poison_empty, reference_grads  # noqa: E402, F401  (au
 NO_OPTIONS = KernelOptions()
 
 
-def gate_opts(HV, K, lower_bound=None, neg_eigval=False, seed=0):
+def gate_opts(HV, K, lower_bound=None, neg_eigval=False, seed=0, dt_bias=True):
     gen = torch.Generator().manual_seed(seed)
-    params = dict(A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV * K, generator=gen))
+    params = dict(A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV * K, generator=gen) if dt_bias else None)
     return KernelOptions(True, True, True, neg_eigval, params["A_log"], params["dt_bias"], lower_bound), params
 
 
@@ -33,7 +33,7 @@ def check(x, opts=NO_OPTIONS, params=None, bar=1e-4, cu_seqlens=None, final_stat
               for n, t in dict(x, **(params or {})).items()}
     kw = opts.kwargs()
     if params:
-        kw.update(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+        kw.update(A_log=leaves["A_log"], dt_bias=leaves.get("dt_bias"))
     o, S = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                      initial_state=leaves["initial_state"], output_final_state=final_state, cu_seqlens=cu_seqlens,
                      **kw)
@@ -60,14 +60,16 @@ def check(x, opts=NO_OPTIONS, params=None, bar=1e-4, cu_seqlens=None, final_stat
 
 
 def test_float32_gva_initial_state():
-    check(make_inputs(B=2, T=70, H=1, HV=2, K=32, V=16, seed=41))
+    check(make_inputs(B=2, T=40, H=1, HV=2, K=32, V=16, seed=41))
 
 
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
 def test_in_kernel_options_bf16(gate):
-    """Gradients through l2norm, the gate formula (into A_log and dt_bias) and the beta sigmoid; GVA."""
+    """Gradients through l2norm, the gate formula (into A_log and dt_bias; the lower_bound gate without dt_bias)
+    and the beta sigmoid (2 sigmoid with the softplus gate); GVA."""
     x = make_inputs(B=1, T=70, H=1, HV=2, K=32, V=32, raw=True, dtype=torch.bfloat16, seed=42)
-    opts, params = gate_opts(2, 32, -5.0 if gate == "lower_bound" else None, neg_eigval=gate == "softplus")
+    lb = gate == "lower_bound"
+    opts, params = gate_opts(2, 32, -5.0 if lb else None, neg_eigval=not lb, dt_bias=not lb)
     check(x, opts, params, bar=2e-2)
 
 
@@ -101,7 +103,7 @@ def test_extreme_gates(T):
 
 def test_varlen_empty_and_length_one_sequences_bf16():
     cu = torch.tensor([0, 1, 1, 70, 71, 90])
-    check(make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, dtype=torch.bfloat16, seed=45), bar=2e-2,
+    check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, dtype=torch.bfloat16, seed=45), bar=2e-2,
           cu_seqlens=cu)
 
 
