@@ -64,17 +64,18 @@ def diagonal_scores(
             b_aq += mm(b_q * b_e, b_kt, PREC)
             b_ak += mm(b_k * b_e, b_kt, PREC)
         else:
+            # (names differ from the other branch's: the two branches' blocks have different widths)
             for c1 in range(c0, c0 + BKS, BKD):
                 o_d = c1 + tl.arange(0, BKD)
-                b_q = load_rows(q, bos, r0, T_n, i_h, H, K, o_d, BC).to(tl.float32) * b_rq[:, None]  # [BC, BKD]
-                b_k = load_rows(k, bos, r0, T_n, i_h, H, K, o_d, BC).to(tl.float32) * b_rk[:, None]  # [BC, BKD]
-                b_p = load_rows(gP, bos, r0, T_n, i_hv, HV, K, o_d, BC)    # [BC, BKD]
+                b_qd = load_rows(q, bos, r0, T_n, i_h, H, K, o_d, BC).to(tl.float32) * b_rq[:, None]  # [BC, BKD]
+                b_kd = load_rows(k, bos, r0, T_n, i_h, H, K, o_d, BC).to(tl.float32) * b_rk[:, None]  # [BC, BKD]
+                b_pd = load_rows(gP, bos, r0, T_n, i_hv, HV, K, o_d, BC)   # [BC, BKD]
                 m3 = m_pair[:, :, None]                                    # [BC, BC, 1]
                 # exp only where j <= i on valid rows, where the exponent is <= 0; elsewhere it could overflow.
-                b_f = tl.where(m3, tl.exp(tl.where(m3, b_p[:, None, :] - b_p[None, :, :], 0.0)), 0.0)
-                b_f = b_f * b_k[None, :, :]                                # [BC, BC, BKD] k_j exp(P_i - P_j)
-                b_aq += tl.sum(b_q[:, None, :] * b_f, 2)
-                b_ak += tl.sum(b_k[:, None, :] * b_f, 2)
+                b_f = tl.where(m3, tl.exp(tl.where(m3, b_pd[:, None, :] - b_pd[None, :, :], 0.0)), 0.0)
+                b_f = b_f * b_kd[None, :, :]                               # [BC, BC, BKD] k_j exp(P_i - P_j)
+                b_aq += tl.sum(b_qd[:, None, :] * b_f, 2)
+                b_ak += tl.sum(b_kd[:, None, :] * b_f, 2)
     return tl.where(m_low, b_aq, 0.0), tl.where(o_r[:, None] > o_r[None, :], b_ak, 0.0)
 
 
