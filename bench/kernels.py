@@ -4,7 +4,7 @@
 
     python bench/kernels.py                          # timings: one table (ms, tokens/s, fla/ours, % of floor)
     python bench/kernels.py --check                  # correctness at full size on the GPU (no timings)
-    python bench/kernels.py --check --bench --profile --no-decode --budget 280    # the issue-4 run, < 5 min
+    python bench/kernels.py --check --bench --profile --no-decode --budget 240    # the issue-4 run, < 5 min
     python bench/kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
     python bench/kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
 
@@ -15,8 +15,8 @@ and CUDA-graph replay, which is how a server runs it). Floors: bytes moved once 
 this run, FLOPs (6 T d^2 per head forward, 3x that with the backward) over the bf16 matmul rate measured in this run;
 the larger of the two. fla comes from the carried wheel (see BENCHMARKS.md for the command).
 
-Steps run in priority order (checks of the default chunk path and its timings first, then the 1M-token check,
-varlen, the profile, decode); each step is fenced (a failure is printed and the next step runs) and, with
+Steps run in priority order (checks of the default chunk path and its timings first, then the 1M-token check, the
+profile, varlen, SDPA, decode); each step is fenced (a failure is printed and the next step runs) and, with
 ``--budget``, steps that would start after the budget are skipped and listed, so a run always ends with its table.
 ``kernels.log`` and ``kernels.json`` are rewritten after every step (``--out``, default $OUT).
 
@@ -704,8 +704,8 @@ def main() -> int:
     steps += [("bench chunk forward+backward", bench and not a.no_backward,
                lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
-    steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
     steps += [("profile chunk", a.profile, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
+    steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
     steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
     steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]
