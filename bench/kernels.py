@@ -733,7 +733,9 @@ def main() -> int:
         if skipped:
             say(f"skipped (over the {a.budget:.0f} s budget): {', '.join(skipped)}")
         if a.check:
-            say(f"CHECK {'PASS' if checks.ok else 'FAIL'}" + (f": {', '.join(checks.failed)}" if checks.failed else ""))
+            not_run = [n for n in skipped if n.startswith("check")]
+            say(f"CHECK {'PASS' if checks.ok else 'FAIL'}" + (f": {', '.join(checks.failed)}" if checks.failed else "")
+                + (f" (not run: {', '.join(not_run)})" if not_run else ""))
         if ROWS:
             print_table(*need_ceilings())
     finally:
