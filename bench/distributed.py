@@ -340,6 +340,9 @@ def main() -> None:
 
     try:
         PHASES[args.phase](args, sizes, device, world, rank, emit)
+        # Every rank finishes its collectives before teardown: gloo aborts a rank ("terminate called without an
+        # active exception") when the group is destroyed while a peer still has work in flight.
+        dist.barrier()
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
