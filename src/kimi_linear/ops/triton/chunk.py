@@ -24,7 +24,13 @@ from ..checks import KDAShape, check_gate_params
 from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
 from .chunk_intra import chunk_kda_fwd_intra_kernel
-from .chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
+from .chunk_pipeline import (
+    DEFAULT_CONFIG,
+    LaunchConfig,
+    chunk_kda_bwd_pipeline,
+    chunk_kda_fwd_pipeline,
+    varlen_tables,
+)
 from .chunk_scan import chunk_kda_fwd_scan_kernel
 from .chunk_split import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
@@ -38,19 +44,6 @@ def default_impl() -> str:
     if impl not in IMPLS:
         raise ValueError(f"KIMI_LINEAR_CHUNK_IMPL must be one of {IMPLS}, got {impl!r}")
     return impl
-
-
-def _varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(chunk_indices [NT, 2] int32: sequence and chunk within it; chunk_offsets [N+1] int32; NT)."""
-    bounds = cu_seqlens.tolist()
-    counts = [triton.cdiv(e - s, BT) for s, e in zip(bounds[:-1], bounds[1:])]
-    pairs = [(n, c) for n, m in enumerate(counts) for c in range(m)]
-    offsets = [0]
-    for m in counts:
-        offsets.append(offsets[-1] + m)
-    dev = cu_seqlens.device
-    table = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32, device=dev)
-    return table, torch.tensor(offsets, dtype=torch.int32, device=dev), len(pairs)
 
 
 def chunk_kda_fwd(
@@ -90,7 +83,7 @@ def chunk_kda_fwd(
         NT, chunk_indices, chunk_offsets = B * NT_seq, None, None
     else:
         NT_seq = 0
-        chunk_indices, chunk_offsets, NT = _varlen_tables(cu_seqlens)
+        chunk_indices, chunk_offsets, NT = varlen_tables(cu_seqlens)
     # Intermediates in float32 except kend (see chunk_scan.py); products in tf32 for 16-bit inputs, exact (ieee)
     # for float32 inputs.
     half = q.dtype in (torch.bfloat16, torch.float16)
