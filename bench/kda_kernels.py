@@ -2,11 +2,11 @@
 # ruff: noqa: B023
 """KDA kernels on one GPU: ours (Triton) vs fla-core 0.6 vs PyTorch SDPA causal, plus the card's ceilings.
 
-    python bench/kernels.py                          # timings: one table (ms, tokens/s, fla/ours, % of floor)
-    python bench/kernels.py --check                  # correctness at full size on the GPU (no timings)
-    python bench/kernels.py --check --bench --profile --no-decode --budget 240    # the issue-4 run, < 5 min
-    python bench/kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
-    python bench/kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
+    python bench/kda_kernels.py                          # timings: one table (ms, tokens/s, fla/ours, % of floor)
+    python bench/kda_kernels.py --check                  # correctness at full size on the GPU (no timings)
+    python bench/kda_kernels.py --check --bench --profile --no-decode --budget 240    # the issue-4 run, < 5 min
+    python bench/kda_kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
+    python bench/kda_kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
 
 Shapes of SPEC section 7: bf16, H=32, K=V=128; chunk forward and forward+backward at 16 x 2048 and 1 x 32768 tokens
 with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and once with the
@@ -670,6 +670,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="per-kernel times and the chunk variants")
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
     p.add_argument("--no-decode", action="store_true", help="skip the decode checks and rows")
+    p.add_argument("--only", nargs="+", metavar="STEP", default=None,
+                   help="run just the steps whose names contain one of these words, whatever the other flags "
+                        "(e.g. --only 'forward+backward' 1M profile); names are printed as '== step'")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
     p.add_argument("--offline-sm90", metavar="CFG_JSON", nargs="?", const="{}", default=None,
@@ -709,6 +712,9 @@ def main() -> int:
     steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
     steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]
+    if a.only:
+        steps = [(name, any(w in name for w in a.only), fn) for name, _, fn in steps]
+        a.check = any(wanted and name.startswith("check") for name, wanted, _ in steps)
     skipped = []
     try:
         for name, wanted, fn in steps:
