@@ -4,7 +4,7 @@
     python bench/k3_compare.py --steps 20 --max-files 50 --seq-len 128 --batch-size 4 --out /tmp/k3cmp  # smoke test
 
 Variants, all on the `small` preset's shape (8 layers: 6 KDA + 2 MLA, hidden 512, 8 experts top-2) and the same
-BPE tokenizer, packed stdlib batches, seed and schedule:
+BPE tokenizer, stdlib files cut into seq_len pieces (kimi_linear.train.chunks), seed and schedule:
   kimi-linear  the preset as is
   attn-res     + block attention residuals (`attn_res_block_size`, default 2 layers per block)
   k3-all       + every K3 switch: bounded gate (-5), full-rank KDA output gate, gated MLA, AttnRes, LatentMoE
@@ -23,8 +23,9 @@ import time
 import torch
 
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
+from kimi_linear.train.budget import fit_within
+from kimi_linear.train.chunks import DocumentChunkSource
 from kimi_linear.train.corpus import (
-    PackedTextSource,
     encode_documents,
     read_texts,
     split_files,
@@ -51,6 +52,9 @@ def variants(block: int) -> dict[str, tuple[dict, str | None]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="per-variant training time limit (0: none); a variant cut by time is marked in the table "
+                        "and its schedule anneals in time (kimi_linear.train.budget); compare at equal steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -91,20 +95,25 @@ def main() -> None:
     for name, (overrides, balance) in variants(a.block).items():
         if a.only and name not in a.only:
             continue
-        source = PackedTextSource(train_docs, eval_docs, a.batch_size, a.seq_len, seed=a.seed)
+        # Whole files cut into pieces (every token of the corpus is trained on), not rows packed from file starts:
+        # those see only each file's first seq_len tokens, which a 40M model memorizes within a few epochs.
+        source = DocumentChunkSource(train_docs, eval_docs, a.batch_size, a.seq_len, pad_id=tokenizer.pad_token_id,
+                                     seed=a.seed)
         torch.manual_seed(a.seed)
         model = KimiLinearForCausalLM(preset_config("small", **ids, **overrides)).init_weights(a.seed)
         config = TrainConfig(steps=a.steps, lr=a.lr, warmup=a.warmup, eval_every=a.eval_every, progress=False,
                              balance=balance)
         trainer = Trainer(model.to(a.device), source, config)
         t = time.time()
-        history = trainer.fit()
+        run = fit_within(trainer, a.minutes * 60 if a.minutes > 0 else None, eval_every=a.eval_every)
+        history = run.history
         evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
         results[name] = dict(evals=evals, final_train_loss=history[-1]["loss"], seconds=time.time() - t,
+                             steps=run.steps, stopped_by=run.stopped_by,
                              parameters=sum(p.numel() for p in model.parameters()), overrides=overrides,
                              balance=balance)
-        print(f"{name}: held-out {evals[-1][1]:.4f} after {a.steps} steps ({results[name]['seconds']:.0f} s)",
-              flush=True)
+        print(f"{name}: held-out {evals[-1][1]:.4f} after {run.steps} steps, stopped by {run.stopped_by} "
+              f"({results[name]['seconds']:.0f} s)", flush=True)
     with open(os.path.join(a.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(dict(args=vars(a), results=results), f, indent=2)
     print_table(results)
@@ -113,12 +122,14 @@ def main() -> None:
 def print_table(results: dict) -> None:
     """Markdown table: held-out loss at each evaluation step, final train loss, parameters, seconds."""
     steps = sorted({s for r in results.values() for s, _ in r["evals"]})
-    print("| variant | params | " + " | ".join(f"held-out @ {s}" for s in steps) + " | train loss | seconds |")
-    print("|---|---|" + "---|" * len(steps) + "---|---|")
+    print("| variant | params | " + " | ".join(f"held-out @ {s}" for s in steps)
+          + " | steps run | train loss | seconds |")
+    print("|---|---|" + "---|" * len(steps) + "---|---|---|")
     for name, r in results.items():
         ev = dict(r["evals"])
         cells = " | ".join(f"{ev[s]:.4f}" if s in ev else "" for s in steps)
-        print(f"| {name} | {r['parameters'] / 1e6:.1f}M | {cells} | {r['final_train_loss']:.4f} | "
+        ran = f"{r.get('steps', '?')}" + (" (time)" if r.get("stopped_by") == "time" else "")
+        print(f"| {name} | {r['parameters'] / 1e6:.1f}M | {cells} | {ran} | {r['final_train_loss']:.4f} | "
               f"{r['seconds']:.0f} |")
 
 

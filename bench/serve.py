@@ -65,7 +65,9 @@ def start_server(model: str, args: argparse.Namespace, graphs: bool | None = Non
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} (log: {log.name})")
+            with open(log.name, encoding="utf-8", errors="replace") as f:
+                tail = f.read()[-3000:]
+            raise SystemExit(f"server exited with {proc.returncode} (log: {log.name}); its last lines:\n{tail}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
