@@ -98,9 +98,9 @@ def main() -> None:
     print("| what | transformers | kimi-linear | speed-up |")
     print("| --- | --- | --- | --- |")
     print(f"| prefill {args.prefill} tokens | {t_hf_pre * 1e3:.0f} ms | {t_our_pre * 1e3:.0f} ms | "
-          f"{x_pre:.1f}x |")
+          f"{x_pre:.2f}x |")
     print(f"| greedy generate ({args.prompt}-token prompt + {n} new) | {n / t_hf_dec:.1f} tok/s | "
-          f"{n / t_our_dec:.1f} tok/s | {x_dec:.1f}x |")
+          f"{n / t_our_dec:.1f} tok/s | {x_dec:.2f}x |")
 
 
 if __name__ == "__main__":
