@@ -41,3 +41,20 @@ def test_trainer_updates_router_bias_and_logs_load():
     assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before, trainer.routers.routers))
     assert all(len(h["expert_load_max_over_mean"]) == 3 and min(h["expert_load_max_over_mean"]) >= 1.0
                for h in history)
+
+
+def test_evaluation_does_not_feed_the_router_bias_update():
+    """Held-out forwards (eval mode) between steps are not recorded, so the next update sees one step's tokens."""
+    from kimi_linear.train.trainer import evaluate
+
+    config = preset_config("tiny", vocab_size=576, hidden_size=64, intermediate_size=128, moe_intermediate_size=32)
+    model = KimiLinearForCausalLM(config).init_weights(seed=0)
+    source = TaskSource(get_task("mqar"), batch_size=4, seq_len=64)
+    trainer = Trainer(model, source, TrainConfig(steps=2, warmup=1, progress=False, balance="quantile"))
+    trainer.train_step()
+    assert all(not inputs for inputs in trainer.routers.inputs.values())          # consumed by the update
+    evaluate(trainer.model, source, trainer.device)
+    assert all(not inputs for inputs in trainer.routers.inputs.values())
+    trainer.model.train()
+    trainer.model(source.batch(0)["input_ids"])                                   # a training-mode forward counts
+    assert all(len(inputs) == 1 for inputs in trainer.routers.inputs.values())

@@ -104,7 +104,13 @@ class RouterWatch:
         self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "top_k")]
         self.inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(self.routers))}
         for i, router in enumerate(self.routers):
-            router.register_forward_hook(lambda mod, args, out, i=i: self.inputs[i].append(args[0].detach()))
+            router.register_forward_hook(lambda mod, args, out, i=i: self._record(mod, i, args[0]))
+
+    def _record(self, router: torch.nn.Module, i: int, x: torch.Tensor) -> None:
+        # Only training forwards feed the bias update: held-out evaluation (eval mode) between steps must neither
+        # steer the bias towards the held-out tokens nor pile up inputs until the next step.
+        if router.training:
+            self.inputs[i].append(x.detach())
 
     @torch.no_grad()
     def update(self, rule: str, **kw) -> list[float]:
