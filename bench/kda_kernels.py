@@ -207,28 +207,26 @@ def f32(x):
     return {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
 
 
-VARIANTS = {                                                   # chunk variants (--profile), most telling first
-    "pipeline": ("pipeline", DEFAULT_CONFIG),
+VARIANTS = {                                                   # launch configs (--profile), most telling first
+    "pipeline": DEFAULT_CONFIG,
     # float32 intermediates double the scans' tiles: value blocks of 16 keep them from spilling (sm_90 build)
-    "pipeline store=f32": ("pipeline", replace(DEFAULT_CONFIG, store="float32", h_bv=16)),
-    "fused (first forward)": ("fused", DEFAULT_CONFIG),
-    "pipeline h_bv=64": ("pipeline", replace(DEFAULT_CONFIG, h_bv=64)),
-    "pipeline h_bv=16": ("pipeline", replace(DEFAULT_CONFIG, h_bv=16)),
-    "pipeline 8 warps": ("pipeline", replace(DEFAULT_CONFIG, scores_warps=8, wy_warps=8, o_warps=8)),
-    "pipeline bwd 4 warps": ("pipeline", replace(DEFAULT_CONFIG, bwd_warps=4)),
+    "pipeline store=f32": replace(DEFAULT_CONFIG, store="float32", h_bv=16),
+    "pipeline h_bv=64": replace(DEFAULT_CONFIG, h_bv=64),
+    "pipeline h_bv=16": replace(DEFAULT_CONFIG, h_bv=16),
+    "pipeline 8 warps": replace(DEFAULT_CONFIG, scores_warps=8, wy_warps=8, o_warps=8),
+    "pipeline bwd 4 warps": replace(DEFAULT_CONFIG, bwd_warps=4),
 }
 
 
 def ours_fwd(x, lb, variant="pipeline", h0=None, final=True):
-    impl, cfg = VARIANTS[variant]
-    return chunk_kda_fwd(*args5(x), S.D ** -0.5, h0, final, KernelOptions(**opts(x, lb)), None, impl=impl, cfg=cfg)
+    return chunk_kda_fwd(*args5(x), S.D ** -0.5, h0, final, KernelOptions(**opts(x, lb)), None, VARIANTS[variant])
 
 
 def ours_grad(leaves, lb, variant="pipeline", h0=None, cu=None):
-    """(o, final state) through the autograd Function with the variant's forward and (pipeline) Triton backward."""
-    impl, cfg = VARIANTS[variant]
+    """(o, final state) through the autograd Function with the variant's launch config, forward and backward."""
     o_ = KernelOptions(**opts(leaves, lb))
-    return ChunkKDAFunction.apply(*args5(leaves), h0, o_.A_log, o_.dt_bias, S.D ** -0.5, True, o_, cu, impl, cfg)
+    return ChunkKDAFunction.apply(*args5(leaves), h0, o_.A_log, o_.dt_bias, S.D ** -0.5, True, o_, cu,
+                                  VARIANTS[variant])
 
 
 # ----------------------------------------------------------------------------------------------------------- ceilings
@@ -356,11 +354,10 @@ class Checks:
         plain = lambda L: (L["q"], L["k"], L["v"], L["g"], L["beta"])
         with torch_backend():
             o_r, S_r = kops.chunk_kda(*plain(x), initial_state=h0, output_final_state=True, cu_seqlens=cu)
-        for impl in ("pipeline", "fused"):
-            with Poison():
-                o, St = chunk_kda_fwd(*plain(x), S.D ** -0.5, h0, True, KernelOptions(), cu, impl=impl)
-            self.verdict(f"chunk varlen GVA fp32 extreme gates [{impl}] o", rel(o, o_r), 1e-4)
-            self.verdict(f"chunk varlen GVA fp32 extreme gates [{impl}] final state", rel(St, S_r), 1e-4)
+        with Poison():
+            o, St = chunk_kda_fwd(*plain(x), S.D ** -0.5, h0, True, KernelOptions(), cu)
+        self.verdict("chunk varlen GVA fp32 extreme gates o", rel(o, o_r), 1e-4)
+        self.verdict("chunk varlen GVA fp32 extreme gates final state", rel(St, S_r), 1e-4)
         with Poison():
             o, St = kops.fused_recurrent_kda(*plain(x), initial_state=h0, output_final_state=True, cu_seqlens=cu)
         self.verdict("recurrent varlen GVA fp32 extreme gates o", rel(o, o_r), 1e-5)
@@ -540,7 +537,7 @@ def kernel_times(fn, iters: int = 5) -> list[tuple[str, float, int]]:
 def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
     """Where the time goes (per kernel, default pipeline, forward and forward+backward), then every variant of
     ``VARIANTS``: checked against the PyTorch path at the first shape (o, and with the backward dq, dg), and timed
-    forward and forward+backward at both shapes (the first forward: forward only)."""
+    forward and forward+backward at both shapes."""
     for B, T in S.shapes:
         x = make(B, T, seed=7)
         for what, fn in (("fwd", lambda: ours_fwd(x, False)),
@@ -563,7 +560,7 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
                 o_r.backward(do.float())
                 ref, ref_g = o_r.detach(), {n: L[n].grad for n in ("q", "g")}
                 del L
-        for variant, (impl, _) in VARIANTS.items():
+        for variant in VARIANTS:
             if over_budget():
                 say(f"  variant {B}x{T} {variant}: skipped (over the time budget)")
                 continue
@@ -573,17 +570,14 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
                     with Poison():
                         o, _ = ours_fwd(x, False, variant)
                     err = f"o err {rel(o, ref):.1e}"
-                    if impl == "pipeline":
-                        L = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-                        o, _ = ours_grad(L, False, variant)
-                        o.backward(do)
-                        err += ", " + ", ".join(f"d{n} err {rel(L[n].grad, ref_g[n]):.1e}" for n in ref_g)
-                        del L
+                    L = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+                    o, _ = ours_grad(L, False, variant)
+                    o.backward(do)
+                    err += ", " + ", ".join(f"d{n} err {rel(L[n].grad, ref_g[n]):.1e}" for n in ref_g)
+                    del L
                 t_f = median_ms(lambda: ours_fwd(x, False, variant), 50)
-                t_fb = None
-                if impl == "pipeline":
-                    t_fb = median_ms(fwd_bwd_runner(lambda L: ours_grad(L, False, variant)[0], x), 50)
-                say(f"  variant {B}x{T} {variant}: fwd {t_f:.3f} ms" + (f", fwd+bwd {t_fb:.3f} ms" if t_fb else "")
+                t_fb = median_ms(fwd_bwd_runner(lambda L: ours_grad(L, False, variant)[0], x), 50)
+                say(f"  variant {B}x{T} {variant}: fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms"
                     + (f"; {err}" if err else ""))
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
                 say(f"  variant {B}x{T} {variant} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -681,6 +675,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
     S, OUT, BUDGET = Setup(a.smoke), a.out, a.budget
+    os.makedirs(OUT, exist_ok=True)
     if a.offline_sm90 is not None:
         return offline_sm90(a.offline_sm90)
     if not a.smoke and not torch.cuda.is_available():

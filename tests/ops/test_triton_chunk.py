@@ -1,10 +1,9 @@
 """Triton chunk_kda forward under the interpreter (CPU) against the float64 reference.
 
-The default implementation is the kernel pipeline (chunk_pipeline.py); the first forward ("fused" / "split") keeps
-two tests while it is still selectable. Outputs and every intermediate buffer are poisoned with NaN before each run:
-an element the kernels forget to write (or read before writing) fails the comparison. Under the interpreter the
-kernels round bf16 stores to nearest even and drop tf32's low mantissa bits as the GPU does (chunk_common.py), so
-the bf16 errors here are the GPU's, give or take accumulation order.
+The forward is the kernel pipeline (chunk_pipeline.py). Outputs and every intermediate buffer are poisoned with NaN
+before each run: an element the kernels forget to write (or read before writing) fails the comparison. Under the
+interpreter the kernels round bf16 stores to nearest even and drop tf32's low mantissa bits as the GPU does
+(chunk_common.py), so the bf16 errors here are the GPU's, give or take accumulation order.
 """
 
 import pytest
@@ -51,7 +50,7 @@ def test_in_kernel_options(gate, store):
     A_log, dt_bias = torch.randn(2), (torch.randn(2 * 32) if gate == "softplus" else None)
     opts = KernelOptions(True, True, True, gate == "softplus", A_log, dt_bias, -5.0 if gate == "lower_bound" else None)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, opts,
-                         None, impl="pipeline", cfg=LaunchConfig(store=store))
+                         None, cfg=LaunchConfig(store=store))
     o_ref, S_ref = reference(x, opts)
     assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
 
@@ -85,14 +84,3 @@ def test_no_initial_state_no_final_state_odd_widths():
     o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert S is None
     assert rel_err(o, reference(x, KernelOptions())[0]) < 1e-5
-
-
-@pytest.mark.parametrize("impl", ["fused", "split"])
-def test_first_forward_still_selectable(impl):
-    """The first forward (part 1 fused, diagonal blocks column by column; or split in two kernels)."""
-    cu = torch.tensor([0, 1, 2, 70, 71, 90])
-    x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, strong_decay=True, seed=39)
-    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
-                         NO_OPTIONS, cu, impl=impl, diag_slice=0 if impl == "fused" else 16)
-    o_ref, S_ref = reference(x, NO_OPTIONS, cu_seqlens=cu)
-    assert rel_err(o, o_ref) < 1e-4 and rel_err(S, S_ref) < 1e-4

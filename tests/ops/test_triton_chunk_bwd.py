@@ -84,7 +84,7 @@ def test_in_kernel_options_float32_storage():
     opts_l = KernelOptions(True, True, True, False, leaves["A_log"], leaves["dt_bias"], None)
     o, S = ChunkKDAFunction.apply(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                                   leaves["initial_state"], leaves["A_log"], leaves["dt_bias"], 32 ** -0.5, True,
-                                  opts_l, None, "pipeline", LaunchConfig(store="float32"))
+                                  opts_l, None, LaunchConfig(store="float32"))
     w = (loss_weights(o.shape), loss_weights(S.shape, 2))
     ((o.double() * w[0]).sum() + (S.double() * w[1]).sum()).backward()
     ref = reference_grads(x, opts, w, None, params)

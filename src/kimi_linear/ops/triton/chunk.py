@@ -1,16 +1,12 @@
 """Triton ``chunk_kda``.
 
-Forward implementations (``impl``; the default is ``KIMI_LINEAR_CHUNK_IMPL`` from the environment, else
-"pipeline"):
+Forward: five small kernels with bounded register use (chunk_pipeline.py: gate sums, scores, inverse + WY, state
+scan, output). The first Triton forward (one large intra-chunk kernel plus a scan) was 2.8x slower on the H200 and
+spilled registers on sm_90; it was removed once the pipeline had been checked and timed there (BENCHMARKS.md).
 
-- "pipeline": five small kernels with bounded register use (chunk_pipeline.py: gate sums, scores, inverse + WY,
-  state scan, output).
-- "fused" / "split": the first Triton forward, kept selectable until the GPU numbers decide between them: part 1
-  in one kernel (chunk_intra.py) or two (chunk_split.py), then a scan that also writes the output (chunk_scan.py).
-
-Backward (:class:`ChunkKDAFunction`): after the pipeline forward, the pipeline's Triton backward, which recomputes
-the forward's intermediates (nothing per chunk is held between forward and backward). After the first forward, or
-with ``KIMI_LINEAR_CHUNK_BWD=torch``: the PyTorch chunkwise path, recomputed and differentiated.
+Backward (:class:`ChunkKDAFunction`): the pipeline's Triton backward, which recomputes the forward's intermediates
+(nothing per chunk is held between forward and backward); with ``KIMI_LINEAR_CHUNK_BWD=torch``, the PyTorch
+chunkwise path, recomputed and differentiated (the reference and the fallback).
 """
 
 from __future__ import annotations
@@ -18,138 +14,21 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 from ..checks import KDAShape, check_gate_params
 from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
-from .chunk_intra import chunk_kda_fwd_intra_kernel
-from .chunk_pipeline import (
-    DEFAULT_CONFIG,
-    LaunchConfig,
-    chunk_kda_bwd_pipeline,
-    chunk_kda_fwd_pipeline,
-    varlen_tables,
-)
-from .chunk_scan import chunk_kda_fwd_scan_kernel
-from .chunk_split import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
-
-BT = 64        # chunk size
-BC = 16        # sub-block inside a chunk
-IMPLS = ("pipeline", "fused", "split")
-
-
-def default_impl() -> str:
-    impl = os.environ.get("KIMI_LINEAR_CHUNK_IMPL", "pipeline")
-    if impl not in IMPLS:
-        raise ValueError(f"KIMI_LINEAR_CHUNK_IMPL must be one of {IMPLS}, got {impl!r}")
-    return impl
+from .chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
 
 
 def chunk_kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
-    cu_seqlens: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, intra_warps: int = 4, diag_slice: int = 16, stages: str = "both",
-    impl: str | None = None, cfg: LaunchConfig = DEFAULT_CONFIG,
+    cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None).
-
-    ``impl``: "pipeline" (launch shapes in ``cfg``), or the first forward's part 1 as one kernel ("fused") or two
-    ("split"). None: :func:`default_impl`.
-
-    Launch-shape knobs of the first forward, for benchmarks: ``block_v``, ``num_warps``, ``num_stages`` (scan
-    kernel), ``intra_warps`` and ``diag_slice`` (intra kernel: 0 = diagonal blocks column by column, 16/32 = all
-    pairs at once over slices of that many key channels); ``stages`` = "intra" or "scan" runs one kernel alone.
-    """
-    impl = impl or default_impl()
-    if impl == "pipeline":
-        return chunk_kda_fwd_pipeline(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens,
-                                      cfg)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    dev = q.device
-    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=dev)
-    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    if T == 0:
-        if ht is not None:
-            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht
-    if cu_seqlens is None:
-        NT_seq = triton.cdiv(T, BT)
-        NT, chunk_indices, chunk_offsets = B * NT_seq, None, None
-    else:
-        NT_seq = 0
-        chunk_indices, chunk_offsets, NT = varlen_tables(cu_seqlens)
-    # Intermediates in float32 except kend (see chunk_scan.py); products in tf32 for 16-bit inputs, exact (ieee)
-    # for float32 inputs.
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    prec = "tf32" if half else "ieee"
-    f32 = dict(dtype=torch.float32, device=dev)
-    qg = torch.empty(B, T, HV, K, **f32)
-    kend = torch.empty(B, T, HV, K, dtype=q.dtype if half else torch.float32, device=dev)
-    w = torch.empty(B, T, HV, K, **f32)
-    u = torch.empty(B, T, HV, V, **f32)
-    Aqk = torch.empty(B, T, HV, BT, **f32)
-    decay = torch.empty(max(NT, 1), HV, K, dtype=torch.float32, device=dev)
-    BK = triton.next_power_of_2(K)
-    dummy = o
-    A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
-    dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
-    if NT > 0 and stages != "scan" and impl == "split":
-        varlen = dict(cu_seqlens=cu_seqlens if cu_seqlens is not None else dummy,
-                      chunk_indices=chunk_indices if chunk_indices is not None else dummy)
-        flags = dict(IS_VARLEN=cu_seqlens is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-                     NEG_EIGVAL=opts.allow_neg_eigval, PREC=prec)
-        Akk = torch.empty(B, T, HV, BT, **f32)
-        chunk_kda_fwd_scores_kernel[(NT, HV)](
-            q, k, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-            **varlen, qg=qg, kend=kend, kgb=w, Aqk=Aqk, Akk=Akk, decay=decay,
-            lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T, NT=NT_seq,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, DIAG_BKS=diag_slice or 16,
-            USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel,
-            USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, **flags,
-            num_warps=intra_warps,
-        )
-        chunk_kda_fwd_wy_kernel[(NT, HV)](
-            v, beta, Akk, w, u, **varlen, T=T, NT=NT_seq,
-            HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, triton.next_power_of_2(V)), **flags,
-            num_warps=intra_warps,
-        )
-    elif NT > 0 and stages != "scan":
-        chunk_kda_fwd_intra_kernel[(NT, HV)](
-            q, k, v, g, beta,
-            A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-            cu_seqlens if cu_seqlens is not None else dummy,
-            chunk_indices if chunk_indices is not None else dummy,
-            qg, kend, w, u, Aqk, decay,
-            float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T, NT_seq,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, triton.next_power_of_2(V)),
-            IS_VARLEN=cu_seqlens is not None, USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel,
-            USE_GATE=opts.use_gate_in_kernel, USE_LOWER_BOUND=opts.lower_bound is not None,
-            HAS_DT_BIAS=dt_bias is not None, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-            NEG_EIGVAL=opts.allow_neg_eigval, PREC=prec, DIAG_BKS=diag_slice, num_warps=intra_warps,
-        )
-    if stages == "intra":
-        return o, ht
-    # H200, H=32, V=128 (bench --profile): BV 16/32/64 = 3.56/2.05/1.30 ms at 16x2048, 3.65/1.98/2.24 at 1x32768.
-    # 32 is the width checked at full size on the GPU; 64 (faster at 16x2048) is not yet.
-    BV = block_v or 32
-    BV = min(BV, triton.next_power_of_2(V))
-    chunk_kda_fwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
-        qg, kend, w, u, Aqk, decay, o,
-        initial_state if initial_state is not None else dummy, ht if ht is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy, chunk_offsets if chunk_offsets is not None else dummy,
-        scale, T,
-        HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, PREC=prec,
-        num_warps=num_warps or 4, num_stages=num_stages or 2,
-    )
-    return o, ht
+    ``cfg``: launch shapes and the intermediates' storage dtype (benchmarks sweep it)."""
+    return chunk_kda_fwd_pipeline(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg)
 
 
 def default_backward() -> str:
@@ -160,27 +39,25 @@ def default_backward() -> str:
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Triton forward. Backward: the pipeline's Triton kernels (chunk_pipeline.py) when the forward is the pipeline
-    and ``KIMI_LINEAR_CHUNK_BWD`` is not "torch"; otherwise the PyTorch chunkwise path, recomputed and
-    differentiated (the reference and the fallback)."""
+    """Triton forward. Backward: the pipeline's Triton kernels (chunk_pipeline.py) unless ``KIMI_LINEAR_CHUNK_BWD``
+    is "torch"; then the PyTorch chunkwise path, recomputed and differentiated (the reference and the fallback)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, scale, output_final_state, opts, cu_seqlens,
-                impl, cfg):
-        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens,
-                              impl=impl, cfg=cfg)
+                cfg):
+        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
-        ctx.scale, ctx.opts, ctx.impl, ctx.cfg = scale, opts, impl, cfg
+        ctx.scale, ctx.opts, ctx.cfg = scale, opts, cfg
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        if ctx.impl == "pipeline" and default_backward() == "triton":
+        if default_backward() == "triton":
             dx = ChunkKDAFunction._triton_backward(ctx, do, dht)
         else:
             dx = ChunkKDAFunction._recompute_backward(ctx, do, dht)
         dx = [d if need else None for d, need in zip(dx, ctx.needs_input_grad[:8])]
-        return (*dx, None, None, None, None, None, None)
+        return (*dx, None, None, None, None, None)
 
     @staticmethod
     def _triton_backward(ctx, do, dht):
@@ -251,7 +128,6 @@ def chunk_kda(
         initial_state = initial_state.contiguous()
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens, default_impl(),
-                                       DEFAULT_CONFIG)
+        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens, DEFAULT_CONFIG)
         return o, (ht if output_final_state else None)
     return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens)
