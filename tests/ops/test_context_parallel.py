@@ -66,3 +66,40 @@ def test_context_parallel_equals_single_process(tmp_path):
         assert rel_err(torch.cat([r0["grads"][n], r1["grads"][n]], 1), full[n].grad) < 1e-4, n
     for n in ("A_log", "dt_bias"):                                   # shared parameters: the ranks' grads add up
         assert rel_err(r0["grads"][n] + r1["grads"][n], full[n].grad) < 1e-4, n
+
+
+def test_activation_checkpointing_drops_the_operator_inputs(tmp_path):
+    """Under non-reentrant checkpointing nothing of the operator outlives the forward but what the checkpoint keeps
+    (the function's inputs): the operator's own inputs, intermediates of the checkpointed function, are freed and
+    recomputed in the backward, which still gives the un-checkpointed gradients. One rank (gloo) suffices."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils.checkpoint import checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = inputs()
+        leaves = {n: x[n].clone().requires_grad_() for n in names()}
+        seen = []
+
+        def layer(q, k, v, g, beta):
+            q2 = q * 1.5                                        # an activation the operator takes as input
+            seen.append(StorageWeakRef(q2.untyped_storage()))       # views and detached copies share it
+            o, S = context_parallel_chunk_kda(q2, k, v, g, beta, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+                                              **OPTIONS)
+            return o.square().sum() + S.square().sum()
+
+        args = [leaves[n] for n in ("q", "k", "v", "g", "beta")]
+        loss = checkpoint(layer, *args, use_reentrant=False)
+        gc.collect()
+        assert seen[0].expired(), "the operator kept its input alive through the forward"
+        loss.backward()
+        got = {n: t.grad.clone() for n, t in leaves.items()}
+        for t in leaves.values():
+            t.grad = None
+        layer(*args).backward()
+        for n in names():
+            assert rel_err(got[n], leaves[n].grad) < 1e-6, n
+    finally:
+        dist.destroy_process_group()

@@ -23,10 +23,6 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from kimi_linear.ops.context_parallel import context_parallel_chunk_kda
 
 
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
 class GlobalCausal(CausalBias):
     """SDPA mask for T queries at global positions ``L - T .. L - 1`` against keys ``0 .. L - 1``: PyTorch's
     lower-right ``CausalBias`` (flash attention on GPUs, nothing materialised), with q, k, v brought to one dtype
@@ -168,11 +164,7 @@ class ContextParallel:
         if initial_state is not None or cu_seqlens is not None:
             raise ValueError("context parallelism takes no `initial_state`/cache and no `cu_seqlens` (packed "
                              "documents): the state flows from rank to rank through one sequence per row")
-        # The operator differentiates its own local graph in a nested backward. Under non-reentrant activation
-        # checkpointing a tensor saved in that graph would be unpacked by another graph task, which re-runs the
-        # checkpointed forward -- rank-to-rank messages included -- while the other ranks wait for the backward's
-        # messages: a deadlock. Identity hooks (innermost wins) save that graph's tensors plainly; the checkpointed
-        # layer still recomputes the operator's forward once, in step on every rank.
-        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            o, S = context_parallel_chunk_kda(q, k, v, g, beta, group=self.group, scale=scale, **options)
+        # The operator keeps only its inputs (saved for backward, so activation checkpointing drops and recomputes
+        # them like the layer's other activations) and recomputes its local graph in its backward.
+        o, S = context_parallel_chunk_kda(q, k, v, g, beta, group=self.group, scale=scale, **options)
         return o, (S if output_final_state else None)

@@ -16,9 +16,16 @@ import torch.distributed as dist
 from .chunk import chunk_kda
 
 
+def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
+    """Global rank of ``rank`` within ``group``."""
+    return dist.get_global_rank(group, rank) if group else rank
+
+
 class _ContextParallelKDA(torch.autograd.Function):
     """Receives the incoming state, runs ``chunk_kda`` on the local tokens, sends the outgoing state; backward the
-    reverse. The local computation is recorded in its own autograd graph so the backward can run it on demand."""
+    reverse. The forward keeps only its inputs and the incoming state (``save_for_backward``, so activation
+    checkpointing can drop them too); the backward recomputes the local operator with gradients and differentiates
+    it (one more local forward, the same trade as the Triton kernels' own recomputing backward)."""
 
     @staticmethod
     def forward(ctx, options, group, q, k, v, g, beta, A_log, dt_bias):
@@ -26,34 +33,41 @@ class _ContextParallelKDA(torch.autograd.Function):
         B, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
         S_in = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
         if rank > 0:
-            dist.recv(S_in, src=dist.get_global_rank(group, rank - 1) if group else rank - 1, group=group)
-        inputs = (q, k, v, g, beta, A_log, dt_bias)
-        with torch.enable_grad():
-            leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in inputs]
-            S_leaf = S_in.requires_grad_(rank > 0)
-            o, S_out = chunk_kda(*leaves[:5], initial_state=S_leaf, output_final_state=True, A_log=leaves[5],
-                                 dt_bias=leaves[6], **options)
+            dist.recv(S_in, src=_peer(group, rank - 1), group=group)
+        o, S_out = chunk_kda(q, k, v, g, beta, initial_state=S_in, output_final_state=True, A_log=A_log,
+                             dt_bias=dt_bias, **options)
         if rank < world - 1:
-            dist.send(S_out.detach(), dst=dist.get_global_rank(group, rank + 1) if group else rank + 1, group=group)
-        ctx.group, ctx.leaves, ctx.S_leaf, ctx.outputs = group, leaves, S_leaf, (o, S_out)
-        return o.detach(), S_out.detach()
+            dist.send(S_out, dst=_peer(group, rank + 1), group=group)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, S_in)
+        ctx.group, ctx.options = group, options
+        return o, S_out
 
     @staticmethod
     def backward(ctx, do, dS_final):
         group = ctx.group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        o, S_out = ctx.outputs
-        dS_out = torch.zeros_like(S_out)
+        # Unpack first: under activation checkpointing this re-runs the layer's forward, whose messages must
+        # flow in step on every rank before any rank waits for a backward message.
+        *inputs, S_in = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:]
+        dS_out = torch.zeros_like(S_in)
         if rank < world - 1:
-            dist.recv(dS_out, src=dist.get_global_rank(group, rank + 1) if group else rank + 1, group=group)
+            dist.recv(dS_out, src=_peer(group, rank + 1), group=group)
         if dS_final is not None:
             dS_out = dS_out + dS_final
-        do = torch.zeros_like(o) if do is None else do
-        torch.autograd.backward([o, S_out], [do, dS_out])
+        with torch.enable_grad():
+            leaves = [None if x is None else x.detach().requires_grad_(need) for x, need in zip(inputs, needs)]
+            S_leaf = S_in.detach().requires_grad_(rank > 0)
+            o, S_out = chunk_kda(*leaves[:5], initial_state=S_leaf, output_final_state=True, A_log=leaves[5],
+                                 dt_bias=leaves[6], **ctx.options)
+            wrt = [x for x in (*leaves, S_leaf) if x is not None and x.requires_grad]
+            do = torch.zeros_like(o) if do is None else do
+            got = iter(torch.autograd.grad([o, S_out], wrt, [do, dS_out], allow_unused=True))
+        grads = [next(got) if x is not None and x.requires_grad else None for x in leaves]
         if rank > 0:
-            grad_in = ctx.S_leaf.grad if ctx.S_leaf.grad is not None else torch.zeros_like(ctx.S_leaf)
-            dist.send(grad_in, dst=dist.get_global_rank(group, rank - 1) if group else rank - 1, group=group)
-        return (None, None, *[None if x is None or not x.requires_grad else x.grad for x in ctx.leaves])
+            grad_in = next(got)
+            dist.send(torch.zeros_like(S_in) if grad_in is None else grad_in, dst=_peer(group, rank - 1), group=group)
+        return (None, None, *grads)
 
 
 def context_parallel_chunk_kda(
