@@ -1,6 +1,7 @@
 """Packed documents with ``cu_seqlens`` give every document exactly the loss it has alone: no KDA state, conv
 window or attention crosses a document boundary."""
 
+import pytest
 import torch
 
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
@@ -34,3 +35,21 @@ def test_packed_rows_never_label_across_documents():
     ids, labels, kept = pack_row(docs, 7)
     assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and kept == [3, 2, 2]
     assert labels.tolist() == [2, 3, IGNORE, 5, IGNORE, 7, IGNORE]
+
+
+def test_packed_source_covers_every_token_of_long_documents():
+    """Rows start at pieces of at most seq_len tokens, so an epoch reaches the middle and end of long documents
+    (rows that started at whole documents only ever saw their first seq_len tokens)."""
+    from kimi_linear.train.corpus import PackedTextSource
+
+    docs = [torch.arange(1000, 1000 + 45), torch.arange(2000, 2000 + 7), torch.arange(3000, 3000 + 30)]
+    source = PackedTextSource(docs, [torch.arange(8)], batch_size=2, seq_len=16, seed=1)
+    assert len(source.train_pieces) == 3 + 1 + 2                  # 45 -> 16+16+13, 7 -> 7, 30 -> 16+14
+    seen = set()
+    for step in range(len(source.train_pieces) // 2):             # one epoch
+        batch = source.batch(step)
+        assert batch["input_ids"].shape == (1, 32) and batch["cu_seqlens"][-1] == 32
+        seen |= set(batch["input_ids"].flatten().tolist())
+    assert seen >= set(torch.cat(docs).tolist())
+    with pytest.raises(ValueError, match="seq_len"):
+        PackedTextSource(docs, [torch.arange(8)], batch_size=2, seq_len=0)

@@ -80,14 +80,21 @@ class PackedTextSource:
     """Rows of ``seq_len`` tokens packed from documents; a batch of B rows becomes one packed row [1, B*T] with
     ``cu_seqlens`` at every document and row boundary. Batch ``(step, micro)`` is a pure function of the seed.
 
-    Each training row starts at a document chosen by a seeded permutation per epoch and takes following documents
-    until full (a long document is cut; its remainder is not revisited in that row)."""
+    Training documents are first cut into pieces of at most ``seq_len`` tokens (each piece is its own sequence for
+    ``cu_seqlens``). Each training row starts at a piece chosen by a seeded permutation per epoch and takes the
+    following pieces until full, so an epoch covers every token of the corpus. (Rows that started at whole
+    documents only ever saw each file's first ``seq_len`` tokens, which a small model memorises within a few
+    epochs.)"""
 
     def __init__(self, train_docs: list[torch.Tensor], eval_docs: list[torch.Tensor], batch_size: int,
                  seq_len: int, seed: int = 0, grad_accum: int = 1, eval_rows: int = 32):
         if not train_docs or not eval_docs:
             raise ValueError("`train_docs` and `eval_docs` must both hold documents")
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("grad_accum", grad_accum)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
         self.train_docs, self.eval_docs = train_docs, eval_docs
+        self.train_pieces = [d[s:s + seq_len] for d in train_docs for s in range(0, len(d), seq_len)]
         self.batch_size, self.seq_len, self.seed, self.grad_accum = batch_size, seq_len, seed, grad_accum
         self.eval_rows = eval_rows
         self.rank, self.world = 0, 1
@@ -116,13 +123,13 @@ class PackedTextSource:
         return {"input_ids": ids, "labels": labels, "cu_seqlens": cu}
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
-        n = len(self.train_docs)
+        n = len(self.train_pieces)
         first = (step * self.grad_accum + micro) * self.batch_size
         rows = []
         for r in range(first + self.rank, first + self.batch_size, self.world):
             epoch, pos = divmod(r, n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
-            rows.append(self._row(self.train_docs, int(perm[pos])))
+            rows.append(self._row(self.train_pieces, int(perm[pos])))
         return self._rows_to_batch(rows)
 
     def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
