@@ -7,9 +7,10 @@ document but its first is scored exactly once per epoch. Nothing crosses a docum
 is needed: right padding is invisible to a causal model (attention, KDA's recurrence and the short convolution
 only look back), so softmax attention keeps its plain causal kernel.
 
-Compared with :class:`~kimi_linear.train.corpus.PackedTextSource` (rows packed from document *starts*), every part
-of a long file is trained on, and the cost of attention stays O(B T^2) instead of O((B T)^2) for a packed row.
-The price is padding: the last piece of each document is partly empty (``fill`` says how full rows are).
+Compared with :class:`~kimi_linear.train.corpus.PackedTextSource` (pieces packed into one row with ``cu_seqlens``),
+a piece's last token still predicts the next piece's first, and the cost of attention stays O(B T^2) instead of
+O((B T)^2) for a packed row (where the attention backend has no varlen kernel). The price is padding: the last piece
+of each document is partly empty (``fill`` says how full rows are).
 """
 
 from __future__ import annotations
