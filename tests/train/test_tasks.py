@@ -14,7 +14,8 @@ def test_mqar_answers_are_the_values_paired_with_the_keys():
     for b in range(8):
         pairs = dict(zip(ids[b, 0:12:2].tolist(), ids[b, 1:12:2].tolist()))
         scored = (labels[b] != IGNORE).nonzero().flatten().tolist()
-        assert len(scored) == 6
+        assert len(scored) == 6 and min(scored) >= 12                  # queries after the context ...
+        assert sorted(ids[b, scored].tolist()) == sorted(pairs)          # ... each key asked exactly once
         for t in scored:
             assert labels[b, t] == pairs[int(ids[b, t])] == ids[b, t + 1]
 
