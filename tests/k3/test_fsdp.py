@@ -35,9 +35,9 @@ def make_trainer(world_rank: tuple[int, int] | None = None) -> Trainer:
         source = ShardedSource(source, *world_rank)
     # lr: AdamW's first step moves a weight by ~lr whatever its gradient's size, so a gradient that is zero up to
     # summation order (ranks reduce in another order) can move either way; a small lr keeps that inside the bound
-    # (2e-4 gave 5.8e-5 with MQAR's scattered queries). A weight still moves by ~2e-5, ~1e-3 of its tensor's norm,
+    # (2e-4 gave 5.8e-5 with MQAR's scattered queries). A weight still moves by ~1e-5, ~5e-4 of its tensor's norm,
     # so gradients that disagree in sign across many entries still fail the 1e-5 bound by far.
-    return Trainer(model, source, TrainConfig(steps=1, lr=2e-5, warmup=1, progress=False))
+    return Trainer(model, source, TrainConfig(steps=1, lr=1e-5, warmup=1, progress=False))
 
 
 def _free_port() -> int:
