@@ -18,17 +18,8 @@ import torch
 from ..checks import KDAShape, check_gate_params
 from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
-from .chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
-
-
-def chunk_kda_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
-    cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward only, on contiguous inputs; returns (o [B, T, HV, V] in q's dtype, final state or None).
-    ``cfg``: launch shapes and the intermediates' storage dtype (benchmarks sweep it)."""
-    return chunk_kda_fwd_pipeline(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg)
+from .chunk_pipeline import DEFAULT_CONFIG, chunk_kda_bwd_pipeline
+from .chunk_pipeline import chunk_kda_fwd_pipeline as chunk_kda_fwd  # the forward, on contiguous inputs
 
 
 def default_backward() -> str:
