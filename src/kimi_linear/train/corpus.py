@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .chunks import cut_pieces
 from .tasks import IGNORE
 
 
@@ -94,7 +95,7 @@ class PackedTextSource:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
         self.train_docs, self.eval_docs = train_docs, eval_docs
-        self.train_pieces = [d[s:s + seq_len] for d in train_docs for s in range(0, len(d), seq_len)]
+        self.train_pieces = [train_docs[d][s:s + seq_len] for d, s in cut_pieces(train_docs, seq_len)]
         self.batch_size, self.seq_len, self.seed, self.grad_accum = batch_size, seq_len, seed, grad_accum
         self.eval_rows = eval_rows
         self.rank, self.world = 0, 1
