@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 import kimi_linear.ops as kops  # noqa: E402
 from kimi_linear.ops.gate import KernelOptions  # noqa: E402
 from kimi_linear.ops.triton.chunk import ChunkKDAFunction, chunk_kda_fwd  # noqa: E402
-from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG  # noqa: E402
+from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG, chunk_kda_bwd_pipeline  # noqa: E402
 from kimi_linear.ops.triton.recurrent import fused_recurrent_kda as tri_recurrent  # noqa: E402
 
 
@@ -584,6 +584,66 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
             save()
 
 
+# -------------------------------------------------------------------------------------------------------------- sweep
+# Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
+# kernel at once, and the profiler splits the time per kernel.
+SWEEP_FWD = [
+    dict(scores_bks=sb, scores_regs=sr, wy_bks=wb, wy_regs=wr)
+    for sb, sr, wb, wr in ((64, 128, 32, 168), (64, 96, 32, 128), (64, 112, 16, 168), (128, 128, 32, 200),
+                           (64, 128, 32, 255), (32, 96, 64, 128))
+]
+SWEEP_BWD = [dict(bwd_bk=bk, bwd_warps=w, bwd_regs=r) for bk, w, r in (
+    (64, 4, 0), (64, 2, 0), (64, 4, 168), (128, 4, 0), (64, 8, 0), (128, 8, 0))]
+
+
+def sweep_configs(fla_chunk) -> None:
+    """Per-kernel times (CUDA profiler, 16 x 2048, softplus gate) of the forward kernels under SWEEP_FWD and of
+    the backward under SWEEP_BWD, each output checked against the default config's; then fla's own kernels."""
+    B, T = S.shapes[0]
+    x = make(B, T, seed=3)
+    o_opts = KernelOptions(**opts(x, False))
+    do = torch.randn_like(x["v"])
+
+    def fwd(cfg):
+        return chunk_kda_fwd(*args5(x), S.D ** -0.5, None, True, o_opts, None, cfg)[0]
+
+    def bwd(cfg):
+        return chunk_kda_bwd_pipeline(*args5(x), S.D ** -0.5, None, o_opts, None, do, None, cfg)
+
+    o_ref = fwd(DEFAULT_CONFIG)
+    g_ref = bwd(DEFAULT_CONFIG)
+    for kind, table in (("fwd", SWEEP_FWD), ("bwd", SWEEP_BWD)):
+        for fields in table:
+            if over_budget():
+                say(f"  sweep {kind} {fields}: skipped (over the time budget)")
+                continue
+            cfg = replace(DEFAULT_CONFIG, **fields)
+            try:
+                with Poison():
+                    if kind == "fwd":
+                        err = f"o err {rel(fwd(cfg), o_ref):.1e}"
+                    else:
+                        r = bwd(cfg)
+                        err = ", ".join(f"d{n} err {rel(getattr(r, 'd' + n), getattr(g_ref, 'd' + n)):.1e}"
+                                        for n in ("q", "k", "v", "g", "beta"))
+                rows = kernel_times((lambda: fwd(cfg)) if kind == "fwd" else (lambda: bwd(cfg)))
+                say(f"  sweep {kind} {fields}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
+                    f"{name.replace('chunk_kda_', '')[:28]} {ms:.3f}" for name, ms, n in rows[:10]) + f"; {err}")
+            except Exception as e:  # noqa: BLE001 - one failing shape must not lose the others
+                say(f"  sweep {kind} {fields} failed: {type(e).__name__}: {str(e)[:300]}")
+            save()
+    if fla_chunk is not None:
+        for lb in (False, True):
+            xf = make(B, T, seed=3, lb=lb)
+            for what, fn in (("fwd", lambda: fla_chunk(*args5(xf), output_final_state=True, **fla_opts(xf, lb))),
+                             ("fwd+bwd", fwd_bwd_runner(lambda L: fla_chunk(*args5(L), output_final_state=True,
+                                                                            **fla_opts(L, lb))[0], xf))):
+                rows = kernel_times(fn)
+                say(f"  fla {'safe_gate' if lb else 'softplus'} {what}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
+                    f"{name[:40]} {ms:.3f} x{n}" for name, ms, n in rows[:16]))
+                save()
+
+
 # ------------------------------------------------------------------------------------------------- offline sm_90 build
 def offline_sm90(cfg_json: str) -> int:
     """Compile every kernel launch of the pipeline's forward and backward for sm_90 without a GPU (Triton's own
@@ -617,7 +677,7 @@ def offline_sm90(cfg_json: str) -> int:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     seen = set()
     for fn, kw in launches:
-        nw, ns = kw.pop("num_warps", 4), kw.pop("num_stages", 3)
+        nw, ns, nreg = kw.pop("num_warps", 4), kw.pop("num_stages", 3), kw.pop("maxnreg", None)
         sig, const, attrs = {}, {}, {}
         for prm in fn.params:
             val = kw[prm.name]
@@ -632,13 +692,13 @@ def offline_sm90(cfg_json: str) -> int:
                     attrs[(prm.num,)] = [["tt.divisibility", 16]]
             else:
                 sig[prm.name] = "fp32"
-        key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), nw, ns)
+        key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), nw, ns, nreg)
         if key in seen:
             continue
         seen.add(key)
         try:
             ck = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 128),
-                                options=dict(num_warps=nw, num_stages=ns))
+                                options=dict(num_warps=nw, num_stages=ns, maxnreg=nreg))
         except Exception as e:  # noqa: BLE001
             say(f"{fn.__name__}: COMPILE ERROR {type(e).__name__}: {str(e)[:1500]}")
             continue
@@ -667,6 +727,8 @@ def main() -> int:
     p.add_argument("--only", nargs="+", metavar="STEP", default=None,
                    help="run just the steps whose names contain one of these words, whatever the other flags "
                         "(e.g. --only 'forward+backward' 1M profile); names are printed as '== step'")
+    p.add_argument("--sweep", action="store_true",
+                   help="per-kernel times of many launch configs (forward and backward), and fla's kernels")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
     p.add_argument("--offline-sm90", metavar="CFG_JSON", nargs="?", const="{}", default=None,
@@ -681,7 +743,7 @@ def main() -> int:
     if not a.smoke and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --smoke)")
         return 2
-    bench = a.bench or not (a.check or a.profile)
+    bench = a.bench or not (a.check or a.profile or a.sweep)
     import triton
     dev = torch.cuda.get_device_name() if S.dev == "cuda" else "CPU (interpreter)"
     say(f"{time.strftime('%Y-%m-%d')} {dev} torch {torch.__version__} triton {triton.__version__} "
@@ -703,6 +765,7 @@ def main() -> int:
                lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
     steps += [("profile chunk", a.profile, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
+    steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk))]
     steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
     steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]

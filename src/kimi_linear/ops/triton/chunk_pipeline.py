@@ -54,8 +54,19 @@ class LaunchConfig:
     o_bv: int = 64                    # value columns per program of the output kernel
     o_bks: int = 64
     o_warps: int = 4
-    bwd_bk: int = 32                  # key channels per program of the backward's per-chunk kernels
-    bwd_warps: int = 8
+    bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
+    bwd_warps: int = 4
+    # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
+    # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
+    # The defaults are the fastest of the H200 sweep of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
+    scores_regs: int = 128
+    wy_regs: int = 168
+    bwd_regs: int = 0
+
+
+def reg_cap(n: int) -> dict:
+    """Launch keywords capping registers per thread at n (none for 0)."""
+    return dict(maxnreg=n) if n else {}
 
 
 DEFAULT_CONFIG = LaunchConfig()
@@ -156,7 +167,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     chunk_kda_fwd_scores_kernel[(NT * (BT // BC), HV)](
         q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Aqk=Aqk, Akk=Akk, **p.varlen(), T=T, NT=p.NT_seq,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BKS=bks, BKD=min(cfg.scores_bkd, bks), IS_VARLEN=IS_VARLEN,
-        USE_QK_L2NORM=use_l2, PREC=p.prec, num_warps=cfg.scores_warps,
+        USE_QK_L2NORM=use_l2, PREC=p.prec, num_warps=cfg.scores_warps, **reg_cap(cfg.scores_regs),
     )
     Tm = p.empty(B, T, HV, BT)
     w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
@@ -167,7 +178,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         decay=decay, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
         BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax), IS_VARLEN=IS_VARLEN,
         USE_QK_L2NORM=use_l2, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
-        PREC=p.prec, num_warps=cfg.wy_warps,
+        PREC=p.prec, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs),
     )
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
@@ -267,6 +278,7 @@ def chunk_kda_bwd_pipeline(
         do=do, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, dT_p=dT_p, **p.varlen(), scale=scale, T=T,
         NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb, BV=BVb, **flags,
         **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
+        **reg_cap(cfg.bwd_regs),
     )
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dAqk, dAkk = p.empty(B, T, HV, BT), p.empty(B, T, HV, BT)
@@ -274,6 +286,7 @@ def chunk_kda_bwd_pipeline(
         v=v, beta=beta, Akk=x.Akk, Tm=x.Tm, vn=x.vn, dvn=dvn, do=do, db_p=db_p, dT_p=dT_p, dv=dv, dbeta=dbeta,
         dAqk=dAqk, dAkk=dAkk, **p.varlen(), scale=scale, T=T, NT=p.NT_seq, STRIDE_NK=stride_nk,
         HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
+        **reg_cap(cfg.bwd_regs),
     )
     dg = torch.empty_like(g)
     A_log = opts.A_log.contiguous() if use_gate else None
@@ -286,12 +299,12 @@ def chunk_kda_bwd_pipeline(
         **p.varlen(), lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T,
         NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKb, NK=NK, **flags, USE_GATE=use_gate,
         USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, PREC=p.prec_exact,
-        num_warps=cfg.bwd_warps,
+        num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     chunk_kda_bwd_qk_kernel[(NT, H)](
         q=q, k=k, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dq_p=dq_p, dk_p=dk_p, dq=dq, dk=dk, **p.varlen(), T=T,
-        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags, num_warps=cfg.bwd_warps,
+        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
     )
     dA_log = ddt_bias = None
     if use_gate:
