@@ -7,6 +7,8 @@
     python bench/kda_kernels.py --check --bench --profile --no-decode --budget 240    # the issue-4 run, < 5 min
     python bench/kda_kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
     python bench/kda_kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
+    python bench/kda_kernels.py --sweep                  # per-kernel times of launch configs (how defaults are set)
+    python bench/kda_kernels.py --config '{"scores_bks": 64}' --check --bench    # every step under another config
 
 Shapes of SPEC section 7: bf16, H=32, K=V=128; chunk forward and forward+backward at 16 x 2048 and 1 x 32768 tokens
 with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and once with the
@@ -44,9 +46,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kimi_linear.ops as kops  # noqa: E402
+import kimi_linear.ops.triton.chunk as tri_chunk  # noqa: E402
 from kimi_linear.ops.gate import KernelOptions  # noqa: E402
 from kimi_linear.ops.triton.chunk import ChunkKDAFunction, chunk_kda_fwd  # noqa: E402
-from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG, chunk_kda_bwd_pipeline  # noqa: E402
+from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_bwd_pipeline  # noqa: E402
 from kimi_linear.ops.triton.recurrent import fused_recurrent_kda as tri_recurrent  # noqa: E402
 
 
@@ -207,15 +210,20 @@ def f32(x):
     return {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
 
 
-VARIANTS = {                                                   # launch configs (--profile), most telling first
-    "pipeline": DEFAULT_CONFIG,
-    # float32 intermediates double the scans' tiles: value blocks of 16 keep them from spilling (sm_90 build)
-    "pipeline store=f32": replace(DEFAULT_CONFIG, store="float32", h_bv=16),
-    "pipeline h_bv=64": replace(DEFAULT_CONFIG, h_bv=64),
-    "pipeline h_bv=16": replace(DEFAULT_CONFIG, h_bv=16),
-    "pipeline 8 warps": replace(DEFAULT_CONFIG, scores_warps=8, wy_warps=8, o_warps=8),
-    "pipeline bwd 4 warps": replace(DEFAULT_CONFIG, bwd_warps=4),
-}
+def launch_variants(base: LaunchConfig) -> dict[str, LaunchConfig]:
+    """Launch configs timed by --profile, most telling first."""
+    return {
+        "pipeline": base,
+        # float32 intermediates double the scans' tiles: value blocks of 16 keep them from spilling (sm_90 build)
+        "pipeline store=f32": replace(base, store="float32", h_bv=16),
+        "pipeline h_bv=64": replace(base, h_bv=64),
+        "pipeline h_bv=16": replace(base, h_bv=16),
+        "pipeline bwd 8 warps": replace(base, bwd_warps=8),
+    }
+
+
+BASE = DEFAULT_CONFIG                                          # the config every step runs (--config changes it)
+VARIANTS = launch_variants(BASE)
 
 
 def ours_fwd(x, lb, variant="pipeline", h0=None, final=True):
@@ -587,13 +595,11 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [
-    dict(scores_bks=sb, scores_regs=sr, wy_bks=wb, wy_regs=wr)
-    for sb, sr, wb, wr in ((64, 128, 32, 168), (64, 96, 32, 128), (64, 112, 16, 168), (128, 128, 32, 200),
-                           (64, 128, 32, 255), (32, 96, 64, 128))
-]
-SWEEP_BWD = [dict(bwd_bk=bk, bwd_warps=w, bwd_regs=r) for bk, w, r in (
-    (64, 4, 0), (64, 2, 0), (64, 4, 168), (128, 4, 0), (64, 8, 0), (128, 8, 0))]
+SWEEP_FWD = [dict(scores_bks=sb, scores_regs=sr) for sb, sr in ((64, 128), (64, 0), (32, 0), (32, 168), (32, 128),
+                                                                  (16, 0))]
+SWEEP_BWD = [dict(bwd_intra_bk=bk, bwd_intra_prec=prec, bwd_warps=w) for bk, prec, w in (
+    (32, "tf32x3", 4), (64, "tf32x3", 4), (32, "tf32", 4), (64, "tf32", 4), (32, "tf32x3", 8), (64, "tf32", 8),
+    (16, "tf32x3", 4))]
 
 
 def sweep_configs(fla_chunk) -> None:
@@ -610,14 +616,14 @@ def sweep_configs(fla_chunk) -> None:
     def bwd(cfg):
         return chunk_kda_bwd_pipeline(*args5(x), S.D ** -0.5, None, o_opts, None, do, None, cfg)
 
-    o_ref = fwd(DEFAULT_CONFIG)
-    g_ref = bwd(DEFAULT_CONFIG)
+    o_ref = fwd(BASE)
+    g_ref = bwd(BASE)
     for kind, table in (("fwd", SWEEP_FWD), ("bwd", SWEEP_BWD)):
         for fields in table:
             if over_budget():
                 say(f"  sweep {kind} {fields}: skipped (over the time budget)")
                 continue
-            cfg = replace(DEFAULT_CONFIG, **fields)
+            cfg = replace(BASE, **fields)
             try:
                 with Poison():
                     if kind == "fwd":
@@ -717,7 +723,7 @@ def offline_sm90(cfg_json: str) -> int:
 
 # --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    global S, OUT, BUDGET
+    global S, OUT, BUDGET, BASE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
@@ -727,6 +733,8 @@ def main() -> int:
     p.add_argument("--only", nargs="+", metavar="STEP", default=None,
                    help="run just the steps whose names contain one of these words, whatever the other flags "
                         "(e.g. --only 'forward+backward' 1M profile); names are printed as '== step'")
+    p.add_argument("--config", default="", metavar="JSON",
+                   help="LaunchConfig fields overriding the defaults for every step, e.g. '{\"bwd_bk\": 32}'")
     p.add_argument("--sweep", action="store_true",
                    help="per-kernel times of many launch configs (forward and backward), and fla's kernels")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
@@ -738,6 +746,11 @@ def main() -> int:
     a = p.parse_args()
     S, OUT, BUDGET = Setup(a.smoke), a.out, a.budget
     os.makedirs(OUT, exist_ok=True)
+    if a.config:
+        # The public ops read the module's default at call time: every step, checks included, runs this config.
+        BASE = replace(DEFAULT_CONFIG, **json.loads(a.config))
+        tri_chunk.DEFAULT_CONFIG = BASE
+        VARIANTS.update(launch_variants(BASE))
     if a.offline_sm90 is not None:
         return offline_sm90(a.offline_sm90)
     if not a.smoke and not torch.cuda.is_available():
@@ -761,12 +774,13 @@ def main() -> int:
     steps += [("check chunk forward", a.check, checks.chunk_forward)]
     steps += [("bench chunk forward", bench, lambda: bench_chunk(*need_ceilings(), fla_chunk, False))]
     steps += [("check chunk backward", a.check, checks.chunk_backward)]
-    steps += [("bench chunk forward+backward", bench and not a.no_backward,
-               lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
     steps += [("profile chunk", a.profile, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
     steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk))]
     steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
+    # last of the chunk steps: fla's autotuned backward kernels take minutes to compile
+    steps += [("bench chunk forward+backward", bench and not a.no_backward,
+               lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
     steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
     steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]

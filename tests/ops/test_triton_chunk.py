@@ -84,3 +84,10 @@ def test_no_initial_state_no_final_state_odd_widths():
     o, S = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert S is None
     assert rel_err(o, reference(x, KernelOptions())[0]) < 1e-5
+
+
+@pytest.mark.parametrize("field, value", [("scores_warps", 2), ("o_warps", 1), ("store", "half"),
+                                          ("bwd_intra_prec", "bf16")])
+def test_launch_config_refuses_bad_fields(field, value):
+    with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
+        LaunchConfig(**{field: value})

@@ -14,9 +14,11 @@ The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-
 - :func:`chunk_kda_bwd_wy_kernel` (chunk, value head): ``dTm += du (beta v)^T`` with du = dvn, dv = beta Tm^T du,
   the inverse's gradient ``dA = -Tm^T dTm Tm^T`` (strictly lower), dbeta (then through the sigmoid), and
   dAqk = scale do vn^T (lower triangle with the diagonal).
-- :func:`chunk_kda_bwd_intra_kernel` (chunk, key block, value head): the score matrices' gradients into q_hat,
-  k_hat and G, with the same overflow-free factorisations as the forward scores; then dg = the reverse cumulative
-  sum of dG inside the chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
+- :func:`chunk_kda_bwd_intra_kernel` (chunk and 16-row sub-block, key block, value head): the score matrices'
+  gradients into q_hat, k_hat and G, with the same overflow-free factorisations as the forward scores (every
+  earlier column in one product, every later row in one product).
+- :func:`chunk_kda_bwd_gate_kernel` (chunk, key block, value head): dg = the reverse cumulative sum of dG inside the
+  chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
 - :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
   backward ``dx = r (dx_hat - x_hat (x_hat . dx_hat))``.
 """
@@ -28,9 +30,10 @@ import triton.language as tl
 
 from .chunk_common import (
     SAFE_EXP,
-    between_total,
     chunk_coords,
     chunk_gate_terms,
+    earlier_factor,
+    later_factor,
     load_beta,
     load_norms,
     load_row_scalars,
@@ -200,117 +203,110 @@ def diagonal_grads(b_dAq, b_dAk, b_q, b_k, b_P, r0, T_n, BC: tl.constexpr, PREC:
 
 @triton.jit
 def chunk_kda_bwd_intra_kernel(
-    q, k, g, gP, rq, rk,              # inputs (g raw) and the recomputed gate sums / norms
-    A_log, dt_bias,
+    q, k, gP, rq, rk,                 # inputs and the recomputed gate sums / norms
     dAqk, dAkk,                       # [B, T, HV, BT] f32 from the WY kernel
-    dq_p, dk_p, dg_p,                 # in: the inter kernel's parts; out (dq_p, dk_p): the totals per value head
+    dq_p, dk_p, dg_p,                 # in: the inter kernel's parts; out: the totals per value head (dg_p: dG)
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (chunk and sub-block S, key block, value head): the rows of S. Sub-blocks run in parallel;
+    the reverse cumulative sum of dG across them is :func:`chunk_kda_bwd_gate_kernel`'s."""
+    NC: tl.constexpr = BT // BC
+    i_cs, i_k, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, S = i_cs // NC, i_cs % NC
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0 = i_t * BT
+    rS = t0 + S * BC
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_j = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    m_r = (rS + o_j) < T_n
+    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                          # [BT, BK]
+    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)                # [BK]
+    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)          # [BT] x2
+    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]     # [BT, BK]
+    b_PS = load_rows(gP, bos, rS, T_n, i_hv, HV, K, o_k, BC)                         # [BC, BK]
+    b_eS = tl.exp(b_PS)
+
+    # Rows of S against every earlier column, factored through the row before S (as the forward scores): one
+    # product with S's [BC, BT] row block of dA (its columns from S on meet zero rows of the operand).
+    b_c = b_k * earlier_factor(b_P, b_t0, b_t1, b_t2, S, BT, BC)                    # [BT, BK]
+    b_dq = mm(load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, o_t, BC), b_c, PREC) * b_eS         # [BC, BK]
+    b_dkr = mm(load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, o_t, BC), b_c, PREC) * b_eS        # [BC, BK]
+    # Columns of S against every later row, factored through S's last row: S's [BT, BC] column block of dA.
+    b_f = later_factor(b_P, b_t1, b_t2, S, BT, BC)                                    # [BT, BK]
+    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]     # [BT, BK]
+    b_dAqc = load_rows(dAqk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
+    b_dAkc = load_rows(dAkk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
+    b_dkc = mm(tl.trans(b_dAqc), b_q * b_f, PREC) + mm(tl.trans(b_dAkc), b_k * b_f, PREC)     # [BC, BK]
+    b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
+
+    # The diagonal block.
+    b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2
+    b_qS = load_rows(q, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rqS[:, None]   # [BC, BK]
+    b_kS = load_rows(k, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkS[:, None]   # [BC, BK]
+    b_dAq = load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)              # [BC, BC]
+    b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)              # [BC, BC]
+    b_ddq, b_ddkr, b_ddkc = diagonal_grads(b_dAq, b_dAk, b_qS, b_kS, b_PS, rS, T_n, BC, PREC)
+    b_dq += b_ddq
+    b_dkr += b_ddkr
+    b_dkc += b_ddkc
+
+    # d/dG_i of exp(G_i - G_j) is the term itself: rows gain q dq + k dk_rows, columns lose k dk_columns.
+    b_dG = b_qS * b_dq + b_kS * (b_dkr - b_dkc)
+    b_dq += load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    b_dk = b_dkr + b_dkc + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    b_dG += load_rows(dg_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    store_rows(dq_p, b_dq, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    store_rows(dk_p, b_dk, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    store_rows(dg_p, tl.where(m_r[:, None], b_dG, 0.0), bos, rS, T_n, i_hv, HV, K, o_k, BC)
+
+
+@triton.jit
+def chunk_kda_bwd_gate_kernel(
+    g, A_log, dt_bias,                # the raw (or log) gate and the in-kernel gate's parameters
+    dG,                               # [B, T, HV, K] f32: the gradient of the chunk prefix G
     dg, dA_p, ddt_p,                  # out: [B, T, HV, K] (g's dtype), [NT, NK, HV] f32, [NT, HV, K] f32
     cu_seqlens, chunk_indices,
     lower_bound, T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, PREC: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
 ):
-    NC: tl.constexpr = BT // BC
+    """One program per (chunk, key block, value head): G_i = sum_{m <= i} g_m inside the chunk, so
+    dg_m = sum_{i >= m} dG_i; then the gate formula's backward and per-chunk partial sums for dA_log, ddt_bias."""
     i_c, i_k, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    o_j = tl.arange(0, BC)
+    m_r = (t0 + tl.arange(0, BT)) < T_n
+    b_dgs = tl.cumsum(load_rows(dG, bos, t0, T_n, i_hv, HV, K, o_k, BT), 0, reverse=True)    # [BT, BK]
     if USE_GATE:
         b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_bias = tl.zeros([BK], dtype=tl.float32)                          # [BK]
+        b_x = load_rows(g, bos, t0, T_n, i_hv, HV, K, o_k, BT).to(tl.float32)                # [BT, BK]
         if HAS_DT_BIAS:
-            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_carry = tl.zeros([BK], dtype=tl.float32)                             # [BK] dG summed over later rows
-    b_dA_log = tl.zeros([BK], dtype=tl.float32)                            # [BK]
-    b_dbias = tl.zeros([BK], dtype=tl.float32)                             # [BK]
-
-    # Runtime (not unrolled) loops: one sub-block's tiles live at a time.
-    for s in range(0, NC):
-        S = NC - 1 - s                                                      # last sub-block first (reverse cumsum)
-        rS = t0 + S * BC
-        m_r = (rS + o_j) < T_n
-        b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2
-        b_PS = load_rows(gP, bos, rS, T_n, i_hv, HV, K, o_k, BC)                         # [BC, BK]
-        b_qS = load_rows(q, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rqS[:, None]   # [BC, BK]
-        b_kS = load_rows(k, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkS[:, None]   # [BC, BK]
-        b_tS = sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)                # [BK]
-
-        # Rows of S against earlier columns J: factor through the row before S (as the forward scores).
-        b_dq = tl.zeros([BC, BK], dtype=tl.float32)                        # [BC, BK]
-        b_dkr = tl.zeros([BC, BK], dtype=tl.float32)                       # [BC, BK]
-        for J in range(0, S):
-            rJ = t0 + J * BC
-            b_unused, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)
-            b_tJ = sub_block_total(gP, bos, t0, J, T_n, i_hv, HV, K, o_k, BC)
-            b_btw = between_total(gP, bos, t0, J, S, T_n, i_hv, HV, K, o_k, BC, BK)
-            b_PJ = load_rows(gP, bos, rJ, T_n, i_hv, HV, K, o_k, BC)
-            b_kc = (load_rows(k, bos, rJ, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkJ[:, None]
-                    * tl.exp((b_tJ[None, :] - b_PJ) + b_btw[None, :]))     # [BC, BK] k_j exp(G_r - G_j)
-            b_dAq = load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, J * BC + o_j, BC)      # [BC, BC]
-            b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, J * BC + o_j, BC)      # [BC, BC]
-            b_dq += mm(b_dAq, b_kc, PREC)
-            b_dkr += mm(b_dAk, b_kc, PREC)
-        b_eS = tl.exp(b_PS)
-        b_dq *= b_eS
-        b_dkr *= b_eS
-        # Columns of S against later rows I: factor through S's last row.
-        b_dkc = tl.zeros([BC, BK], dtype=tl.float32)                       # [BC, BK]
-        for I in range(S + 1, NC):
-            rI = t0 + I * BC
-            b_rqI, b_rkI = load_norms(rq, rk, bos, rI, T_n, i_h, H, BC, USE_QK_L2NORM)
-            b_btw = between_total(gP, bos, t0, S, I, T_n, i_hv, HV, K, o_k, BC, BK)
-            b_e = tl.exp(load_rows(gP, bos, rI, T_n, i_hv, HV, K, o_k, BC) + b_btw[None, :])   # exp(G_i - G_r')
-            b_qI = load_rows(q, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rqI[:, None] * b_e)
-            b_kI = load_rows(k, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rkI[:, None] * b_e)
-            b_dAq = load_rows(dAqk, bos, rI, T_n, i_hv, HV, BT, S * BC + o_j, BC)      # [BC, BC]
-            b_dAk = load_rows(dAkk, bos, rI, T_n, i_hv, HV, BT, S * BC + o_j, BC)      # [BC, BC]
-            b_dkc += mm(tl.trans(b_dAq), b_qI, PREC) + mm(tl.trans(b_dAk), b_kI, PREC)
-        b_dkc *= tl.exp(b_tS[None, :] - b_PS)                                # exp(G_r' - G_j)
-        # The diagonal block.
-        b_dAq = load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)          # [BC, BC]
-        b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)          # [BC, BC]
-        b_ddq, b_ddkr, b_ddkc = diagonal_grads(b_dAq, b_dAk, b_qS, b_kS, b_PS, rS, T_n, BC, PREC)
-        b_dq += b_ddq
-        b_dkr += b_ddkr
-        b_dkc += b_ddkc
-
-        # d/dG_i of exp(G_i - G_j) is the term itself: rows gain q dq + k dk_rows, columns lose k dk_columns.
-        b_dG = b_qS * b_dq + b_kS * (b_dkr - b_dkc)
-        b_dq += load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-        b_dk = b_dkr + b_dkc + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-        b_dG += load_rows(dg_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-        b_dG = tl.where(m_r[:, None], b_dG, 0.0)
-        store_rows(dq_p, b_dq, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-        store_rows(dk_p, b_dk, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-
-        # G_i = sum_{m <= i} g_m inside the chunk: dg_m = sum_{i >= m} dG_i.
-        b_dgs = tl.cumsum(b_dG, 0, reverse=True) + b_carry[None, :]       # [BC, BK]
-        b_carry += tl.sum(b_dG, 0)
-        if USE_GATE:
-            b_x = load_rows(g, bos, rS, T_n, i_hv, HV, K, o_k, BC).to(tl.float32) + b_bias[None, :]   # [BC, BK]
-            if USE_LOWER_BOUND:
-                # g = lb sigmoid(a x): dg/dx = lb s (1 - s) a, dg/dA_log = (dg/dx) x
-                b_s = tl.sigmoid(b_a * b_x)
-                b_dx = b_dgs * (lower_bound * b_s * (1.0 - b_s) * b_a)
-                b_dA_log += tl.sum(tl.where(m_r[:, None], b_dx * b_x, 0.0), 0)
-            else:
-                # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
-                b_dx = b_dgs * (-b_a * tl.sigmoid(b_x))
-                b_dA_log += tl.sum(tl.where(m_r[:, None], b_dgs * (-b_a * softplus(b_x)), 0.0), 0)
-            b_dx = tl.where(m_r[:, None], b_dx, 0.0)
-            b_dbias += tl.sum(b_dx, 0)
-            store_rows(dg, b_dx, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+            b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        if USE_LOWER_BOUND:
+            # g = lb sigmoid(a x): dg/dx = lb s (1 - s) a, dg/dA_log = (dg/dx) x
+            b_s = tl.sigmoid(b_a * b_x)
+            b_dx = b_dgs * (lower_bound * b_s * (1.0 - b_s) * b_a)
+            b_dA = tl.where(m_r[:, None], b_dx * b_x, 0.0)
         else:
-            store_rows(dg, b_dgs, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-
-    if USE_GATE:
-        tl.store(dA_p + (i_c.to(tl.int64) * NK + i_k) * HV + i_hv, tl.sum(tl.where(m_k, b_dA_log, 0.0), 0))
-        tl.store(ddt_p + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_dbias, mask=m_k)
+            # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
+            b_dx = b_dgs * (-b_a * tl.sigmoid(b_x))
+            b_dA = tl.where(m_r[:, None], b_dgs * (-b_a * softplus(b_x)), 0.0)
+        b_dx = tl.where(m_r[:, None], b_dx, 0.0)
+        store_rows(dg, b_dx, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        tl.store(dA_p + (i_c.to(tl.int64) * NK + i_k) * HV + i_hv, tl.sum(tl.sum(tl.where(m_k[None, :], b_dA, 0.0),
+                                                                                1), 0))
+        tl.store(ddt_p + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
+    else:
+        store_rows(dg, b_dgs, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 
 @triton.jit

@@ -215,13 +215,26 @@ def sub_block_total(gP, bos, t0, M, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
-def between_total(gP, bos, t0, J, I, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr,
-                  BKS: tl.constexpr):
-    """Sum of tot_M over J < M < I, [BKS] (a plain sum of non-positive vectors; zero when I <= J + 1)."""
-    b_s = tl.zeros([BKS], dtype=tl.float32)
-    for M in range(J + 1, I):
-        b_s += sub_block_total(gP, bos, t0, M, T_n, i_hv, HV, K, o_k, BC)
-    return b_s
+def earlier_factor(b_P, b_t0, b_t1, b_t2, I, BT: tl.constexpr, BC: tl.constexpr):
+    """``exp(G_r - G_j)`` on the rows j before sub-block I (r: the row before sub-block I), zero from sub-block I on:
+    [BT, BKS] from the chunk's ``gP`` tile and the totals of sub-blocks 0-2 ([BKS] each). The exponent is
+    ``(tot_J - gP_j) + sum_{J < M < I} tot_M`` (J: row j's sub-block), a sum of non-positive terms."""
+    s = (tl.arange(0, BT) // BC)[:, None]                                   # [BT, 1] sub-block of each row
+    b_own = tl.where(s == 0, b_t0[None, :], tl.where(s == 1, b_t1[None, :], b_t2[None, :]))
+    # sub-blocks strictly between J and I can only be 1 and 2
+    b_btw = tl.where((s < 1) & (I > 1), b_t1[None, :], 0.0) + tl.where((s < 2) & (I > 2), b_t2[None, :], 0.0)
+    m_c = s < I
+    return tl.where(m_c, tl.exp(tl.where(m_c, (b_own - b_P) + b_btw, 0.0)), 0.0)
+
+
+@triton.jit
+def later_factor(b_P, b_t1, b_t2, S, BT: tl.constexpr, BC: tl.constexpr):
+    """``exp(G_i - G_r)`` on the rows i after sub-block S (r: S's last row), zero up to S's end: [BT, BKS]. The
+    exponent is ``gP_i + sum_{S < M < I} tot_M`` (I: row i's sub-block), a sum of non-positive terms."""
+    s = (tl.arange(0, BT) // BC)[:, None]                                   # [BT, 1]
+    b_btw = tl.where((S < 1) & (s > 1), b_t1[None, :], 0.0) + tl.where((S < 2) & (s > 2), b_t2[None, :], 0.0)
+    m_r = s > S
+    return tl.where(m_r, tl.exp(tl.where(m_r, b_P + b_btw, 0.0)), 0.0)
 
 
 @triton.jit

@@ -3,15 +3,15 @@
 Forward (SPEC section 2), each kernel with a bounded working set:
 
     (a) chunk_prepare.py  gate -> gP (16-row sub-block sums), l2norm row factors rq, rk
-    (b) chunk_wy.py       scores: Aqk, Akk per 16-row sub-block of each chunk
+    (b) chunk_wy.py       scores: Aqk, Akk per 16-row sub-block of each chunk (all earlier columns in one product)
     (c, d) chunk_wy.py    (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
     (e) chunk_state.py    the state scan: h per chunk, vn = u - w h, final state
     (f) chunk_state.py    o = scale (qg h + Aqk vn)
 
 Backward: recompute (a)-(e) (nothing per chunk is kept between forward and backward), the reverse state scan
-(chunk_state.py), then four per-chunk kernels (chunk_bwd.py): products with the states and the WY factors' key side,
-the inverse and value side, the score matrices with the gate's cumulative sum and formula, and q/k (GVA sum,
-l2norm).
+(chunk_state.py), then five per-chunk kernels (chunk_bwd.py): products with the states and the WY factors' key side,
+the inverse and value side, the score matrices (per 16-row sub-block), the gate's cumulative sum and formula, and
+q/k (GVA sum, l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
 bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``
@@ -27,6 +27,7 @@ import triton
 
 from ..gate import KernelOptions
 from .chunk_bwd import (
+    chunk_kda_bwd_gate_kernel,
     chunk_kda_bwd_inter_kernel,
     chunk_kda_bwd_intra_kernel,
     chunk_kda_bwd_qk_kernel,
@@ -43,7 +44,7 @@ class LaunchConfig:
     """Launch shapes and the storage dtype (benchmarks sweep these; defaults are the tested ones)."""
 
     store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
-    scores_bks: int = 64              # key channels per step in the scores kernel
+    scores_bks: int = 32              # key channels per step in the scores kernel
     scores_bkd: int = 8               # key channels per step of its strong-decay (pairwise) diagonal path
     scores_warps: int = 4
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
@@ -56,12 +57,28 @@ class LaunchConfig:
     o_warps: int = 4
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
     bwd_warps: int = 4
+    bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
+    bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweep of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
     scores_regs: int = 128
     wy_regs: int = 168
     bwd_regs: int = 0
+
+
+    def __post_init__(self):
+        # Launches of the scores / WY / output kernels with fewer than 4 warps hit an illegal address on the H200
+        # (Triton 3.6, sweep of 2026-12-01; which kernel is not yet known), so they are refused here.
+        for name in ("scores_warps", "wy_warps", "o_warps"):
+            if getattr(self, name) < 4:
+                raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
+                                 "faulted on the H200")
+        if self.store not in ("input", "float32"):
+            raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
+        if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
+            raise ValueError(f"LaunchConfig.bwd_intra_prec must be 'tf32', 'tf32x3' or 'ieee', got "
+                             f"{self.bwd_intra_prec!r}")
 
 
 def reg_cap(n: int) -> dict:
@@ -128,7 +145,7 @@ class Problem:
         # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands, except where row
         # and column terms of the score gradients cancel into dg (the intra backward): there tf32x3.
         self.prec = "tf32" if half else "ieee"
-        self.prec_exact = "tf32x3" if half else "ieee"
+        self.prec_exact = cfg.bwd_intra_prec if half else "ieee"
         self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
         self.opts, self.cfg = opts, cfg
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -288,18 +305,22 @@ def chunk_kda_bwd_pipeline(
         HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
+    BKi = min(cfg.bwd_intra_bk, p.BK)
+    chunk_kda_bwd_intra_kernel[(NT * (BT // BC), triton.cdiv(K, BKi), HV)](
+        q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p,
+        **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, **flags, PREC=p.prec_exact,
+        num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
+    )
     dg = torch.empty_like(g)
     A_log = opts.A_log.contiguous() if use_gate else None
     dt_bias = opts.dt_bias.contiguous() if use_gate and opts.dt_bias is not None else None
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
-    chunk_kda_bwd_intra_kernel[(NT, NK, HV)](
-        q=q, k=k, g=g, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), A_log=p.ptr(A_log), dt_bias=p.ptr(dt_bias),
-        dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p),
+    chunk_kda_bwd_gate_kernel[(NT, NK, HV)](
+        g=g, A_log=p.ptr(A_log), dt_bias=p.ptr(dt_bias), dG=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p),
         **p.varlen(), lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T,
-        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKb, NK=NK, **flags, USE_GATE=use_gate,
-        USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, PREC=p.prec_exact,
-        num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
+        NT=p.NT_seq, HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, USE_GATE=use_gate,
+        USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, num_warps=4,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     chunk_kda_bwd_qk_kernel[(NT, H)](

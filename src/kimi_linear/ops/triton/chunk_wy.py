@@ -5,8 +5,9 @@
     Aqk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)    (j <= i)       Akk[i, j] = same with k_i, j < i (no beta)
 
 Off-diagonal blocks (J < I) factor the decay through the row r before sub-block I: ``exp(G_i - G_r)`` on the rows
-and ``exp(G_r - G_j)`` on the columns, both <= 1 and both plain sums (chunk_common.py), so every block is one
-product of two [16, BKS] operands and nothing overflows at any gate. Diagonal blocks use ``exp(gP_i) exp(-gP_j)``
+and ``exp(G_r - G_j)`` on the columns, both <= 1 and both plain sums (chunk_common.py), so all of them are one
+product of a [16, BKS] and a [BKS, 64] operand (columns from sub-block I on zeroed) and nothing overflows at any
+gate. Diagonal blocks use ``exp(gP_i) exp(-gP_j)``
 when the sub-block's gate sums are mild (|gP| < 60 everywhere, the common case: one product), else every (i, j)
 pair's ``exp(gP_i - gP_j)`` explicitly on [16, 16, BKD] slices (strong decay, e.g. padding gates of -1000).
 
@@ -26,9 +27,9 @@ import triton.language as tl
 
 from .chunk_common import (
     SAFE_EXP,
-    between_total,
     chunk_coords,
     chunk_gate_terms,
+    earlier_factor,
     load_beta,
     load_norms,
     load_rows,
@@ -97,37 +98,35 @@ def chunk_kda_fwd_scores_kernel(
     t0 = i_t * BT
     rI = t0 + I * BC                                                       # first row of sub-block I
     o_j = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
     b_rqI, b_rkI = load_norms(rq, rk, bos, rI, T_n, i_h, H, BC, USE_QK_L2NORM)   # [BC] x2
 
-    for J in range(0, I):
-        rJ = t0 + J * BC
-        b_unused, b_rkJ = load_norms(rq, rk, bos, rJ, T_n, i_h, H, BC, USE_QK_L2NORM)  # [BC]
-        b_aq = tl.zeros([BC, BC], dtype=tl.float32)
-        b_ak = tl.zeros([BC, BC], dtype=tl.float32)
+    # Every earlier column at once: one [BC, BKS] x [BKS, BT] product per channel step, the column operand zero
+    # from sub-block I on (those columns are written below: the diagonal block, zeros right of it).
+    b_aq = tl.zeros([BC, BT], dtype=tl.float32)                            # [BC, BT]
+    b_ak = tl.zeros([BC, BT], dtype=tl.float32)                            # [BC, BT]
+    if I > 0:
+        b_unused, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT]
         for c0 in range(0, K, BKS):
             o_k = c0 + tl.arange(0, BKS)
-            b_e = tl.exp(load_rows(gP, bos, rI, T_n, i_hv, HV, K, o_k, BC))      # [BC, BKS] exp(G_i - G_r)
+            b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                  # [BT, BKS]
+            b_f = earlier_factor(b_P, sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC),
+                                 sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC),
+                                 sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC), I, BT, BC)
+            b_c = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None] * b_f
+            b_e = tl.exp(load_rows(gP, bos, rI, T_n, i_hv, HV, K, o_k, BC))          # [BC, BKS] exp(G_i - G_r)
             b_q = load_rows(q, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rqI[:, None] * b_e)
             b_k = load_rows(k, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rkI[:, None] * b_e)
-            b_tJ = sub_block_total(gP, bos, t0, J, T_n, i_hv, HV, K, o_k, BC)    # [BKS]
-            b_btw = between_total(gP, bos, t0, J, I, T_n, i_hv, HV, K, o_k, BC, BKS)   # [BKS]
-            b_PJ = load_rows(gP, bos, rJ, T_n, i_hv, HV, K, o_k, BC)             # [BC, BKS]
-            b_f = tl.exp((b_tJ[None, :] - b_PJ) + b_btw[None, :])                # [BC, BKS] exp(G_r - G_j)
-            b_kJ = load_rows(k, bos, rJ, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkJ[:, None] * b_f
-            b_kJt = tl.trans(b_kJ)                                               # [BKS, BC]
-            b_aq += mm(b_q, b_kJt, PREC)
-            b_ak += mm(b_k, b_kJt, PREC)
-        store_rows(Aqk, b_aq, bos, rI, T_n, i_hv, HV, BT, J * BC + o_j, BC)
-        store_rows(Akk, b_ak, bos, rI, T_n, i_hv, HV, BT, J * BC + o_j, BC)
+            b_ct = tl.trans(b_c)                                                     # [BKS, BT]
+            b_aq += mm(b_q, b_ct, PREC)
+            b_ak += mm(b_k, b_ct, PREC)
+    m_off = (o_t // BC) != I
+    store_cols(Aqk, b_aq, bos, rI, T_n, i_hv, HV, BT, o_t, m_off, BC)
+    store_cols(Akk, b_ak, bos, rI, T_n, i_hv, HV, BT, o_t, m_off, BC)
 
     b_aq, b_ak = diagonal_scores(q, k, gP, b_rqI, b_rkI, bos, rI, T_n, i_h, i_hv, H, HV, K, BC, BKS, BKD, PREC)
     store_rows(Aqk, b_aq, bos, rI, T_n, i_hv, HV, BT, I * BC + o_j, BC)
     store_rows(Akk, b_ak, bos, rI, T_n, i_hv, HV, BT, I * BC + o_j, BC)
-    # Right of the diagonal block: zeros (later kernels read whole [BT, BT] tiles).
-    o_t = tl.arange(0, BT)
-    b_z = tl.zeros([BC, BT], dtype=tl.float32)
-    store_cols(Aqk, b_z, bos, rI, T_n, i_hv, HV, BT, o_t, o_t >= (I + 1) * BC, BC)
-    store_cols(Akk, b_z, bos, rI, T_n, i_hv, HV, BT, o_t, o_t >= (I + 1) * BC, BC)
 
 
 @triton.jit
