@@ -105,7 +105,7 @@ def main() -> None:
                              balance=balance)
         trainer = Trainer(model.to(a.device), source, config)
         t = time.time()
-        run = fit_within(trainer, a.minutes * 60 if a.minutes > 0 else None, eval_every=a.eval_every)
+        run = fit_within(trainer, a.minutes * 60 if a.minutes > 0 else None)   # evaluates every config.eval_every
         history = run.history
         evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
         results[name] = dict(evals=evals, final_train_loss=history[-1]["loss"], seconds=time.time() - t,

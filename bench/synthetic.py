@@ -45,6 +45,7 @@ import torch
 TASK_SIZES: dict[str, dict] = {"mqar": {"num_keys": 32, "num_values": 32, "num_noise": 16, "max_pairs": 16},
                                "palindrome": {}, "stack": {}}
 # Per-task --lr / --batch; a value given on the command line wins (see parse_args).
+BASE_HPARAMS: dict[str, float | int] = {"lr": 1e-3, "batch": 16}
 TASK_HPARAMS: dict[str, dict] = {"mqar": {"lr": 3e-3, "batch": 32}}
 MIXER_ORDER = ("kda", "gdn", "attention")
 QUICK = {"lengths": "64", "steps": 20, "batch": 4, "eval_every": 10, "hidden": 64, "head_dim": 32}
@@ -337,8 +338,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixers", default=",".join(MIXER_ORDER))
     p.add_argument("--lengths", default="256,512,1024,2048")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps per cell (the schedule's length)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"sequences per step (default {BASE_HPARAMS['batch']}; MQAR: TASK_HPARAMS)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default {BASE_HPARAMS['lr']}; MQAR: TASK_HPARAMS)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
@@ -353,11 +356,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="a tiny CPU smoke run of the whole pipeline")
     a = p.parse_args(argv)
+    # Given on the command line: used for every task; left out: each task's own TASK_HPARAMS, else BASE_HPARAMS.
+    a.explicit = {name for name in ("lr", "batch") if getattr(a, name) is not None}
     if a.quick:  # small shapes, for options left at their defaults
         for name, value in QUICK.items():
             if getattr(a, name) == p.get_default(name):
                 setattr(a, name, value)
-    a.explicit = {name for name in ("lr", "batch") if getattr(a, name) != p.get_default(name)}  # over TASK_HPARAMS
+                if name in BASE_HPARAMS:                            # small for every task, MQAR too
+                    a.explicit.add(name)
+    for name, value in BASE_HPARAMS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     for name in ("jobs", "steps", "batch", "eval_batches"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")

@@ -178,3 +178,23 @@ def test_grid_runs_in_parallel_workers_and_reports(tmp_path):
         assert r["steps"] == 4 and r["stopped_by"] == "steps" and [s for s, _ in r["curve"]] == [2, 4]
     assert png.stat().st_size > 0 and not (tmp_path / "syn.jsonl.partial").exists()
     assert "| mqar | kda | " in run.stdout
+
+
+def test_lr_and_batch_given_on_the_command_line_win_over_the_task_defaults():
+    syn = load_bench("synthetic")
+    left_out = syn.parse_args([])
+    assert left_out.explicit == set() and (left_out.lr, left_out.batch) == (1e-3, 16)
+    # the base defaults typed out are still the user's choice, also for MQAR (before: silently replaced)
+    typed = syn.parse_args(["--lr", "1e-3", "--batch", "16"])
+    assert typed.explicit == {"lr", "batch"} and (typed.lr, typed.batch) == (1e-3, 16)
+    quick = syn.parse_args(["--quick"])
+    assert quick.batch == 4 and "batch" in quick.explicit
+
+
+def test_fit_within_evaluates_at_the_trainers_own_interval_by_default():
+    from kimi_linear.train.budget import fit_within
+
+    trainer = tiny_trainer(7)
+    trainer.config.eval_every = 3
+    got = fit_within(trainer, None)
+    assert [r["step"] for r in got.evals] == [3, 6, 7]

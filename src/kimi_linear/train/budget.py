@@ -75,16 +75,19 @@ def fit_within(
     trainer: Trainer,
     seconds: float | None,
     *,
-    eval_every: int = 0,
+    eval_every: int | None = None,
     on_step: Callable[[dict, Clock], None] | None = None,
     on_eval: Callable[[dict, Clock], None] | None = None,
 ) -> BudgetResult:
     """Train until ``trainer.config.steps`` or ``seconds`` (None: no time limit); evaluate on the trainer's source
-    every ``eval_every`` steps (0: only at the end) and always after the last step. ``on_step(record, clock)``
-    after every step and ``on_eval(record, clock)`` after every evaluation (progress output, partial results).
+    every ``eval_every`` steps (0: only at the end; None: the trainer's ``config.eval_every``) and always after the
+    last step. ``on_step(record, clock)`` after every step and ``on_eval(record, clock)`` after every evaluation
+    (progress output, partial results).
 
     The time check happens between steps, so a run overshoots ``seconds`` by at most one step plus the final
     evaluation. Returns a :class:`BudgetResult`."""
+    if eval_every is None:
+        eval_every = trainer.config.eval_every
     if not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"`eval_every` must be an integer >= 0, got {eval_every!r}")
     clock = Clock(seconds)
