@@ -36,7 +36,7 @@ from .chunk_bwd import (
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
-from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+from .chunk_wy import chunk_kda_fwd_intra_kernel, chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class LaunchConfig:
     bwd_warps: int = 4
     bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
     bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
+    # Scores and WY in one kernel per (chunk, value head), with the WY kernel's warps and register cap. Not yet
+    # timed on a GPU (an experiment for the next device run; the interpreter tests check it).
+    fuse_intra: bool = False
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweep of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -180,23 +183,25 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     )
     Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
     Akk = p.empty(B, T, HV, BT)
-    bks = min(cfg.scores_bks, p.BK)
-    chunk_kda_fwd_scores_kernel[(NT * (BT // BC), HV)](
-        q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Aqk=Aqk, Akk=Akk, **p.varlen(), T=T, NT=p.NT_seq,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BKS=bks, BKD=min(cfg.scores_bkd, bks), IS_VARLEN=IS_VARLEN,
-        USE_QK_L2NORM=use_l2, PREC=p.prec, num_warps=cfg.scores_warps, **reg_cap(cfg.scores_regs),
-    )
     Tm = p.empty(B, T, HV, BT)
     w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
     u = p.empty(B, T, HV, V, dtype=p.sdt)
     decay = p.empty(max(NT, 1), HV, K)
-    chunk_kda_fwd_wy_kernel[(NT, HV)](
-        q=q, k=k, v=v, beta=beta, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg,
-        decay=decay, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
-        BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax), IS_VARLEN=IS_VARLEN,
-        USE_QK_L2NORM=use_l2, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
-        PREC=p.prec, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs),
-    )
+    bks = min(cfg.scores_bks, p.BK)
+    flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
+    wy = dict(v=v, beta=beta, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
+              BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+              NEG_EIGVAL=opts.allow_neg_eigval, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs))
+    shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
+                  BC=BC, **flags)
+    if cfg.fuse_intra:
+        chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, SBKS=bks, BKD=min(cfg.scores_bkd, bks), **wy, **shared)
+    else:
+        chunk_kda_fwd_scores_kernel[(NT * (BT // BC), HV)](
+            Aqk=Aqk, Akk=Akk, BKS=bks, BKD=min(cfg.scores_bkd, bks), num_warps=cfg.scores_warps,
+            **reg_cap(cfg.scores_regs), **shared,
+        )
+        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None

@@ -81,21 +81,13 @@ def diagonal_scores(
 
 
 @triton.jit
-def chunk_kda_fwd_scores_kernel(
-    q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
-    Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
-    cu_seqlens, chunk_indices,        # varlen only
-    T, NT,
+def sub_block_scores(
+    q, k, gP, rq, rk, Aqk, Akk, bos, t0, I, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BKD: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, BKD: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    NC: tl.constexpr = BT // BC
-    i_cs, i_hv = tl.program_id(0), tl.program_id(1)
-    i_c, I = i_cs // NC, i_cs % NC
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    t0 = i_t * BT
+    """Rows of sub-block I (of the chunk at t0) of Aqk and Akk, every column: the earlier sub-blocks, the diagonal
+    block, zeros right of it."""
     rI = t0 + I * BC                                                       # first row of sub-block I
     o_j = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
@@ -129,6 +121,25 @@ def chunk_kda_fwd_scores_kernel(
     store_rows(Akk, b_ak, bos, rI, T_n, i_hv, HV, BT, I * BC + o_j, BC)
 
 
+
+@triton.jit
+def chunk_kda_fwd_scores_kernel(
+    q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
+    Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
+    cu_seqlens, chunk_indices,        # varlen only
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, BKD: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    NC: tl.constexpr = BT // BC
+    i_cs, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, I = i_cs // NC, i_cs % NC
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    sub_block_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, I, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC,
+                     BKS, BKD, USE_QK_L2NORM, PREC)
+
+
 @triton.jit
 def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_hv, HV: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr):
@@ -138,21 +149,14 @@ def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_
 
 
 @triton.jit
-def chunk_kda_fwd_wy_kernel(
-    q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
-    Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
-    cu_seqlens, chunk_indices,
-    T, NT,
+def wy_factors(
+    q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
 ):
+    """The inverse and the WY factors of the chunk at t0 (flat chunk index i_c) from its Akk rows in memory."""
     tl.static_assert(BT == 4 * BC)
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    t0 = i_t * BT
     o_j = tl.arange(0, BC)
 
     # (I + diag(beta) Akk)^-1 by 16x16 blocks: Tm_II by substitution, Tm_IJ = -Tm_II sum_{J<=M<I} A_IM Tm_MJ.
@@ -216,3 +220,46 @@ def chunk_kda_fwd_wy_kernel(
         o_v = c0 + tl.arange(0, BV)
         b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32) * b_beta[:, None]  # [BT, BV]
         store_rows(u, mm(b_T, b_v, PREC), bos, t0, T_n, i_hv, HV, V, o_v, BT)
+
+
+@triton.jit
+def chunk_kda_fwd_wy_kernel(
+    q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
+    Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, i_t * BT, T_n, i_hv // (HV // H),
+               i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
+
+
+@triton.jit
+def chunk_kda_fwd_intra_kernel(
+    q, k, v, beta, gP, rq, rk,        # inputs
+    Aqk, Akk, Tm, w, u, qg, kg, decay,    # out: what the scores and the WY kernels write
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    SBKS: tl.constexpr, BKD: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """The scores and WY kernels fused, one program per (chunk, value head) (``LaunchConfig(fuse_intra=True)``):
+    one launch, and the chunk's q, k and gP read again from L1/L2 rather than from memory."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0 = i_t * BT
+    for I in range(0, BT // BC):
+        sub_block_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, I, T_n, i_h, i_hv, H, HV, K, BT, BC, SBKS, BKD,
+                         USE_QK_L2NORM, PREC)
+    # The WY part reads Akk rows other threads of this program stored: make them visible first.
+    tl.debug_barrier()
+    wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H, HV, K, V,
+               BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
