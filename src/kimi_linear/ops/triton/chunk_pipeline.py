@@ -69,7 +69,6 @@ class LaunchConfig:
     wy_regs: int = 168
     bwd_regs: int = 0
 
-
     def __post_init__(self):
         # Launches of the scores / WY / output kernels with fewer than 4 warps hit an illegal address on the H200
         # (Triton 3.6, sweep of 2026-12-01; which kernel is not yet known), so they are refused here.
@@ -162,6 +161,15 @@ class Problem:
     def empty(self, *shape, dtype=torch.float32):
         return torch.empty(*shape, dtype=dtype, device=self.device)
 
+    def gate(self) -> dict:
+        """The in-kernel gate's arguments, as the prepare kernel (forward) and the gate kernel (backward) take them."""
+        o = self.opts
+        use = o.use_gate_in_kernel
+        dt_bias = o.dt_bias.contiguous() if use and o.dt_bias is not None else None
+        return dict(A_log=self.ptr(o.A_log.contiguous() if use else None), dt_bias=self.ptr(dt_bias),
+                    lower_bound=float(o.lower_bound) if o.lower_bound is not None else 0.0, USE_GATE=use,
+                    USE_LOWER_BOUND=o.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None)
+
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
                    store_states: bool = True) -> Pieces:
@@ -171,15 +179,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     gP = p.empty(B, T, HV, K)
     rq = p.empty(B, T, H) if use_l2 else None
     rk = p.empty(B, T, H) if use_l2 else None
-    A_log = opts.A_log.contiguous() if opts.use_gate_in_kernel else None
-    dt_bias = opts.dt_bias.contiguous() if opts.use_gate_in_kernel and opts.dt_bias is not None else None
     IS_VARLEN = p.cu_seqlens is not None
     chunk_kda_prepare_kernel[(NT, HV)](
-        q=q, k=k, g=g, A_log=p.ptr(A_log), dt_bias=p.ptr(dt_bias), gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(),
-        lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T, NT=p.NT_seq,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_GATE=opts.use_gate_in_kernel,
-        USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, USE_QK_L2NORM=use_l2,
-        num_warps=4,
+        q=q, k=k, g=g, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, num_warps=4,
     )
     Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
     Akk = p.empty(B, T, HV, BT)
@@ -317,15 +320,11 @@ def chunk_kda_bwd_pipeline(
         num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
     )
     dg = torch.empty_like(g)
-    A_log = opts.A_log.contiguous() if use_gate else None
-    dt_bias = opts.dt_bias.contiguous() if use_gate and opts.dt_bias is not None else None
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
     chunk_kda_bwd_gate_kernel[(NT, NK, HV)](
-        g=g, A_log=p.ptr(A_log), dt_bias=p.ptr(dt_bias), dG=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p),
-        **p.varlen(), lower_bound=float(opts.lower_bound) if opts.lower_bound is not None else 0.0, T=T,
-        NT=p.NT_seq, HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, USE_GATE=use_gate,
-        USE_LOWER_BOUND=opts.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None, num_warps=4,
+        g=g, dG=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+        HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, num_warps=4,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     chunk_kda_bwd_qk_kernel[(NT, H)](
