@@ -121,3 +121,17 @@ def test_fused_scores_and_wy_kernel_is_the_two_kernels_bit_for_bit(case):
     for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"):
         a, b = getattr(g_got, name), getattr(g_want, name)
         assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_public_op_reads_the_module_default_config_at_call_time(monkeypatch):
+    """`bench/kda_kernels.py --config` swaps ``chunk.DEFAULT_CONFIG``: the forward without gradients must use it
+    too (float32 intermediates change bf16 results), not the default bound when the pipeline was defined."""
+    import kimi_linear.ops.triton.chunk as tri_chunk
+
+    x = make_inputs(B=1, T=40, H=1, K=32, V=16, dtype=torch.bfloat16, seed=39)
+    default = run(x)[0]
+    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(store="float32"))
+    assert not torch.equal(run(x)[0], default)
+    assert torch.equal(run(x)[0], chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5,
+                                                x["initial_state"], True, NO_OPTIONS, None,
+                                                cfg=LaunchConfig(store="float32"))[0])

@@ -121,4 +121,4 @@ def chunk_kda(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens, DEFAULT_CONFIG)
         return o, (ht if output_final_state else None)
-    return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens)
+    return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, DEFAULT_CONFIG)
