@@ -601,8 +601,9 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(scores_bks=sb, scores_regs=sr) for sb, sr in ((32, 128), (64, 0), (32, 0), (32, 168))] + [
-    dict(fuse_intra=True, scores_bks=sb, wy_regs=wr) for sb, wr in ((32, 168), (32, 0), (32, 200), (64, 0))]
+SWEEP_FWD = [dict(scores_warps=w, scores_bks=b, scores_regs=r) for w, b, r in (
+    (4, 32, 0), (8, 32, 0), (4, 16, 0), (8, 16, 0), (8, 64, 0), (4, 32, 168), (8, 32, 128))] + [
+    dict(fuse_intra=True, scores_bks=b, wy_warps=w, wy_regs=0) for b, w in ((32, 4), (32, 8), (16, 4))]
 SWEEP_BWD = [dict(bwd_intra_bk=bk, bwd_intra_prec=prec, bwd_warps=w) for bk, prec, w in (
     (32, "tf32x3", 4), (64, "tf32x3", 4), (32, "tf32", 4), (64, "tf32", 4), (32, "tf32x3", 8), (64, "tf32", 8),
     (16, "tf32x3", 4))]

@@ -45,8 +45,8 @@ class LaunchConfig:
 
     store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
     scores_bks: int = 32              # key channels per step in the scores kernel
-    scores_bkd: int = 8               # key channels per step of its strong-decay (pairwise) diagonal path
     scores_warps: int = 4
+    scores_stages: int = 1            # software pipelining of its channel loop (1: none)
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
@@ -65,7 +65,7 @@ class LaunchConfig:
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweep of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
-    scores_regs: int = 128
+    scores_regs: int = 0
     wy_regs: int = 168
     bwd_regs: int = 0
 
@@ -198,10 +198,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if cfg.fuse_intra:
-        chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, SBKS=bks, BKD=min(cfg.scores_bkd, bks), **wy, **shared)
+        chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, SBKS=bks, **wy, **shared)
     else:
-        chunk_kda_fwd_scores_kernel[(NT * (BT // BC), HV)](
-            Aqk=Aqk, Akk=Akk, BKS=bks, BKD=min(cfg.scores_bkd, bks), num_warps=cfg.scores_warps,
+        chunk_kda_fwd_scores_kernel[(NT, HV)](
+            Aqk=Aqk, Akk=Akk, BKS=bks, num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
             **reg_cap(cfg.scores_regs), **shared,
         )
         chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)

@@ -1,19 +1,17 @@
 """Chunk pipeline, stages (b)-(d): the intra-chunk score matrices, the inverse, and the WY factors.
 
-:func:`chunk_kda_fwd_scores_kernel`, one program per (chunk, 16-row sub-block I, value head), writes rows I of
+:func:`chunk_kda_fwd_scores_kernel`, one program per (chunk, value head), writes
 
     Aqk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)    (j <= i)       Akk[i, j] = same with k_i, j < i (no beta)
 
-Off-diagonal blocks (J < I) factor the decay through the row r before sub-block I: ``exp(G_i - G_r)`` on the rows
-and ``exp(G_r - G_j)`` on the columns, both <= 1 and both plain sums (chunk_common.py), so all of them are one
-product of a [16, BKS] and a [BKS, 64] operand (columns from sub-block I on zeroed) and nothing overflows at any
-gate. Diagonal blocks use ``exp(gP_i) exp(-gP_j)``
-when the sub-block's gate sums are mild (|gP| < 60 everywhere, the common case: one product), else every (i, j)
-pair's ``exp(gP_i - gP_j)`` explicitly on [16, 16, BKD] slices (strong decay, e.g. padding gates of -1000).
+as [BT, BKS] x [BKS, BT] tensor-core products per channel step whose factors are all <= 1, linked between 16-row
+sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Diagonal blocks use
+``exp(gP_i) exp(-gP_j)`` when every sub-block's gate sum is above -SAFE_EXP (the common case), else every pair's
+``exp(gP_i - gP_j)`` explicitly (strong decay, e.g. padding gates of -1000).
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
-blocks (forward substitution on the diagonal blocks, block products below), stores the inverse ``Tm`` (read
-again at once as one [64, 64] tile, and by the backward), and writes
+blocks (forward substitution on the four diagonal blocks at once, block products below), stores the inverse ``Tm``
+(read again at once as one [64, 64] tile, and by the backward), and writes
 
     w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
 
@@ -27,99 +25,121 @@ import triton.language as tl
 
 from .chunk_common import (
     SAFE_EXP,
+    block_of,
     chunk_coords,
     chunk_gate_terms,
-    earlier_factor,
+    diagonal_block_inverses,
     load_beta,
     load_norms,
     load_rows,
     mm,
-    store_cols,
+    mm_rounded,
     store_rows,
     sub_block_total,
-    unit_lower_inverse,
+    tf32_operand,
 )
 
 
 @triton.jit
-def diagonal_scores(
-    q, k, gP, b_rq, b_rk, bos, r0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, BKD: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """(Aqk, Akk) of the diagonal block of the sub-block at row r0: [BC, BC] each, zero above the diagonal (Aqk)
-    and on and above it (Akk)."""
-    o_r = tl.arange(0, BC)
-    m_low = o_r[:, None] >= o_r[None, :]                                   # [BC, BC] j <= i
-    m_pair = m_low & ((r0 + o_r) < T_n)[:, None]                            # ... and row i inside the sequence
-    b_aq = tl.zeros([BC, BC], dtype=tl.float32)
-    b_ak = tl.zeros([BC, BC], dtype=tl.float32)
-    for c0 in range(0, K, BKS):
-        o_k = c0 + tl.arange(0, BKS)
-        b_P = load_rows(gP, bos, r0, T_n, i_hv, HV, K, o_k, BC)            # [BC, BKS]
-        if tl.max(tl.abs(b_P)) < SAFE_EXP:
-            b_q = load_rows(q, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rq[:, None]   # [BC, BKS]
-            b_k = load_rows(k, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rk[:, None]   # [BC, BKS]
-            b_e = tl.exp(b_P)
-            b_kt = tl.trans(b_k * tl.exp(-b_P))                            # [BKS, BC]
-            b_aq += mm(b_q * b_e, b_kt, PREC)
-            b_ak += mm(b_k * b_e, b_kt, PREC)
-        else:
-            # (names differ from the other branch's: the two branches' blocks have different widths)
-            for c1 in range(c0, c0 + BKS, BKD):
-                o_d = c1 + tl.arange(0, BKD)
-                b_qd = load_rows(q, bos, r0, T_n, i_h, H, K, o_d, BC).to(tl.float32) * b_rq[:, None]  # [BC, BKD]
-                b_kd = load_rows(k, bos, r0, T_n, i_h, H, K, o_d, BC).to(tl.float32) * b_rk[:, None]  # [BC, BKD]
-                b_pd = load_rows(gP, bos, r0, T_n, i_hv, HV, K, o_d, BC)   # [BC, BKD]
-                m3 = m_pair[:, :, None]                                    # [BC, BC, 1]
-                # exp only where j <= i on valid rows, where the exponent is <= 0; elsewhere it could overflow.
-                b_f = tl.where(m3, tl.exp(tl.where(m3, b_pd[:, None, :] - b_pd[None, :, :], 0.0)), 0.0)
-                b_f = b_f * b_kd[None, :, :]                               # [BC, BC, BKD] k_j exp(P_i - P_j)
-                b_aq += tl.sum(b_qd[:, None, :] * b_f, 2)
-                b_ak += tl.sum(b_kd[:, None, :] * b_f, 2)
-    return tl.where(m_low, b_aq, 0.0), tl.where(o_r[:, None] > o_r[None, :], b_ak, 0.0)
+def diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      USE_QK_L2NORM: tl.constexpr):
+    """The diagonal 16x16 blocks of (Aqk, Akk) at channels o_k with every pair's ``exp(gP_i - gP_j)`` formed
+    explicitly (strong decay: a sub-block's gate sum below -SAFE_EXP). Column j of every block at once: [BT, BT]
+    each, zero off the diagonal blocks and above the diagonal."""
+    o_t = tl.arange(0, BT)
+    s = o_t // BC
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, BC):
+        c_j = s * BC + j                                                   # [BT] column j of each row's block
+        m_j = (t0 + c_j) < T_n
+        p_j = ((bos + t0 + c_j) * HV + i_hv) * K                           # [BT] int64 row offsets
+        b_pj = tl.load(gP + p_j[:, None] + o_k[None, :], mask=m_j[:, None] & (o_k < K)[None, :], other=0.0)
+        b_kj = tl.load(k + ((bos + t0 + c_j) * H + i_h)[:, None] * K + o_k[None, :],
+                       mask=m_j[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)   # [BT, BKS]
+        if USE_QK_L2NORM:
+            b_kj = b_kj * tl.load(rk + (bos + t0 + c_j) * H + i_h, mask=m_j, other=0.0)[:, None]
+        m_i = (((o_t % BC) >= j) & (t0 + o_t < T_n))[:, None]              # valid row i at or below column j
+        # exp only where the exponent is <= 0 (i >= j); elsewhere it could overflow.
+        b_f = tl.where(m_i, tl.exp(tl.where(m_i, b_P - b_pj, 0.0)), 0.0) * b_kj   # [BT, BKS]
+        m_c = o_t[None, :] == c_j[:, None]                                 # [BT, BT] column j of the row's block
+        b_aq += tl.where(m_c, tl.sum(b_q * b_f, 1)[:, None], 0.0)
+        b_ak += tl.where(m_c, tl.sum(b_k * b_f, 1)[:, None], 0.0)
+    return b_aq, b_ak
 
 
 @triton.jit
-def sub_block_scores(
-    q, k, gP, rq, rk, Aqk, Akk, bos, t0, I, T_n, i_h, i_hv,
+def chunk_scores(
+    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BKD: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Rows of sub-block I (of the chunk at t0) of Aqk and Akk, every column: the earlier sub-blocks, the diagonal
-    block, zeros right of it."""
-    rI = t0 + I * BC                                                       # first row of sub-block I
-    o_j = tl.arange(0, BC)
+    """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
+
+    Three products per channel step, each with factors <= 1 (rows i, columns j; sub-blocks of 16 rows):
+
+    * half: rows of sub-blocks 2-3 against columns of 0-1, through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``;
+    * quarter: blocks (1, 0) and (3, 2), through the row between them: ``exp(gP_i) exp(tot_J - gP_j)``;
+    * diagonal blocks: ``exp(gP_i) exp(-gP_j)``, when every sub-block's gate sum is above -SAFE_EXP (else
+      :func:`diagonal_pairwise`).
+
+    ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between
+    sub-blocks are per-channel vectors. Each product spans the whole chunk (the half product's operands are zero
+    outside their rows; the other two are masked), so all are [BT, BKS] x [BKS, BT] tensor-core products."""
+    tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
-    b_rqI, b_rkI = load_norms(rq, rk, bos, rI, T_n, i_h, H, BC, USE_QK_L2NORM)   # [BC] x2
-
-    # Every earlier column at once: one [BC, BKS] x [BKS, BT] product per channel step, the column operand zero
-    # from sub-block I on (those columns are written below: the diagonal block, zeros right of it).
-    b_aq = tl.zeros([BC, BT], dtype=tl.float32)                            # [BC, BT]
-    b_ak = tl.zeros([BC, BT], dtype=tl.float32)                            # [BC, BT]
-    if I > 0:
-        b_unused, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT]
-        for c0 in range(0, K, BKS):
-            o_k = c0 + tl.arange(0, BKS)
-            b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                  # [BT, BKS]
-            b_f = earlier_factor(b_P, sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC),
-                                 sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC),
-                                 sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC), I, BT, BC)
-            b_c = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None] * b_f
-            b_e = tl.exp(load_rows(gP, bos, rI, T_n, i_hv, HV, K, o_k, BC))          # [BC, BKS] exp(G_i - G_r)
-            b_q = load_rows(q, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rqI[:, None] * b_e)
-            b_k = load_rows(k, bos, rI, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rkI[:, None] * b_e)
-            b_ct = tl.trans(b_c)                                                     # [BKS, BT]
-            b_aq += mm(b_q, b_ct, PREC)
-            b_ak += mm(b_k, b_ct, PREC)
-    m_off = (o_t // BC) != I
-    store_cols(Aqk, b_aq, bos, rI, T_n, i_hv, HV, BT, o_t, m_off, BC)
-    store_cols(Akk, b_ak, bos, rI, T_n, i_hv, HV, BT, o_t, m_off, BC)
-
-    b_aq, b_ak = diagonal_scores(q, k, gP, b_rqI, b_rkI, bos, rI, T_n, i_h, i_hv, H, HV, K, BC, BKS, BKD, PREC)
-    store_rows(Aqk, b_aq, bos, rI, T_n, i_hv, HV, BT, I * BC + o_j, BC)
-    store_rows(Akk, b_ak, bos, rI, T_n, i_hv, HV, BT, I * BC + o_j, BC)
-
+    s = o_t // BC                                                          # [BT] sub-block of each row
+    s_r = s[:, None]                                                       # [BT, 1]
+    m_diag = (s[None, :] == s_r) & (o_t[:, None] >= o_t[None, :])          # [BT, BT] diagonal blocks, j <= i
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)              # [BT, BKS]
+        b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)    # [BKS]
+        b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+        b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+        b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+        b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
+                         tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+        b_rho = tl.exp(b_P)                        # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
+        b_kap = b_k * tl.exp(b_own - b_P)          # [BT, BKS] k_j exp(G_e - G_j), e: the last row of j's sub-block
+        # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
+        b_hr = tl.where(s_r == 3, tl.exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
+        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, tl.exp(b_t1)[None, :],
+                                                      tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
+        b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
+        # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
+        # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
+        # columns negated takes it out again, so nothing here is masked.
+        b_qr = tf32_operand(b_q * b_rho, PREC)
+        b_kr = tf32_operand(b_k * b_rho, PREC)
+        b_cq = tf32_operand(b_kap, PREC)
+        b_ct = tl.trans(tl.where((s_r % 2) == 0, b_cq, 0.0))                   # [BKS, BT]
+        b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
+        b_ct = tl.trans(tl.where(s_r == 0, -b_cq, 0.0))                        # [BKS, BT]
+        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct, b_ak, PREC)
+        b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
+        if tl.min(b_tmin) > -SAFE_EXP:
+            # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
+            b_ct = tl.trans(tf32_operand(b_k * tl.exp(-b_P), PREC))        # [BKS, BT]
+            b_zero = tl.zeros([BT, BT], dtype=tl.float32)
+            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
+        else:
+            b_dq, b_dk = diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
+                                           H, HV, K, BT, BC, USE_QK_L2NORM)
+            b_aq += b_dq
+            b_ak += b_dk
+    store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
 
 
 @triton.jit
@@ -129,15 +149,12 @@ def chunk_kda_fwd_scores_kernel(
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BKD: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    NC: tl.constexpr = BT // BC
-    i_cs, i_hv = tl.program_id(0), tl.program_id(1)
-    i_c, I = i_cs // NC, i_cs % NC
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    sub_block_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, I, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC,
-                     BKS, BKD, USE_QK_L2NORM, PREC)
+    chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BKS,
+                 USE_QK_L2NORM, PREC)
 
 
 @triton.jit
@@ -160,14 +177,14 @@ def wy_factors(
     o_j = tl.arange(0, BC)
 
     # (I + diag(beta) Akk)^-1 by 16x16 blocks: Tm_II by substitution, Tm_IJ = -Tm_II sum_{J<=M<I} A_IM Tm_MJ.
-    b_b0 = load_beta(beta, bos, t0, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)          # [BC]
-    b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
     b_b2 = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b3 = load_beta(beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_T00 = unit_lower_inverse(load_A_block(Akk, b_b0, bos, t0, 0, 0, T_n, i_hv, HV, BT, BC), BC)  # [BC, BC]
-    b_T11 = unit_lower_inverse(load_A_block(Akk, b_b1, bos, t0, 1, 1, T_n, i_hv, HV, BT, BC), BC)
-    b_T22 = unit_lower_inverse(load_A_block(Akk, b_b2, bos, t0, 2, 2, T_n, i_hv, HV, BT, BC), BC)
-    b_T33 = unit_lower_inverse(load_A_block(Akk, b_b3, bos, t0, 3, 3, T_n, i_hv, HV, BT, BC), BC)
+    b_T00 = block_of(b_T, 0)                                              # [BC, BC]
+    b_T11 = block_of(b_T, 1)
+    b_T22 = block_of(b_T, 2)
+    b_T33 = block_of(b_T, 3)
     b_A10 = load_A_block(Akk, b_b1, bos, t0, 1, 0, T_n, i_hv, HV, BT, BC)                        # [BC, BC]
     b_A20 = load_A_block(Akk, b_b2, bos, t0, 2, 0, T_n, i_hv, HV, BT, BC)
     b_A21 = load_A_block(Akk, b_b2, bos, t0, 2, 1, T_n, i_hv, HV, BT, BC)
@@ -246,7 +263,7 @@ def chunk_kda_fwd_intra_kernel(
     cu_seqlens, chunk_indices,
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SBKS: tl.constexpr, BKD: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    SBKS: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -256,9 +273,7 @@ def chunk_kda_fwd_intra_kernel(
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    for I in range(0, BT // BC):
-        sub_block_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, I, T_n, i_h, i_hv, H, HV, K, BT, BC, SBKS, BKD,
-                         USE_QK_L2NORM, PREC)
+    chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, SBKS, USE_QK_L2NORM, PREC)
     # The WY part reads Akk rows other threads of this program stored: make them visible first.
     tl.debug_barrier()
     wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H, HV, K, V,
