@@ -71,6 +71,7 @@ LOG: list[str] = []
 OUT = "."
 START = time.time()
 BUDGET = 0.0                                                    # seconds from START; 0: no budget
+NO_BACKWARD = False                                             # --no-backward: forward steps and sweep rows only
 
 
 def over_budget() -> bool:
@@ -601,9 +602,8 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(scores_warps=w, scores_bks=b, scores_regs=r) for w, b, r in (
-    (4, 32, 0), (8, 32, 0), (4, 16, 0), (8, 16, 0), (8, 64, 0), (4, 32, 168), (8, 32, 128))] + [
-    dict(fuse_intra=True, scores_bks=b, wy_warps=w, wy_regs=0) for b, w in ((32, 4), (32, 8), (16, 4))]
+SWEEP_FWD = [dict(), dict(scores_bks=64), dict(scores_split=False), dict(scores_warps=8), dict(wy_regs=200),
+             dict(wy_regs=0), dict(wy_regs=200, wy_bks=64)]
 SWEEP_BWD = [dict(bwd_intra_bk=bk, bwd_intra_prec=prec, bwd_warps=w) for bk, prec, w in (
     (32, "tf32x3", 4), (64, "tf32x3", 4), (32, "tf32", 4), (64, "tf32", 4), (32, "tf32x3", 8), (64, "tf32", 8),
     (16, "tf32x3", 4))]
@@ -625,7 +625,7 @@ def sweep_configs(fla_chunk) -> None:
 
     o_ref = fwd(BASE)
     g_ref = bwd(BASE)
-    for kind, table in (("fwd", SWEEP_FWD), ("bwd", SWEEP_BWD)):
+    for kind, table in (("fwd", SWEEP_FWD), ("bwd", [] if NO_BACKWARD else SWEEP_BWD)):
         for fields in table:
             if over_budget():
                 say(f"  sweep {kind} {fields}: skipped (over the time budget)")
@@ -706,7 +706,7 @@ def offline_sm90(cfg_json: str) -> int:
             else:
                 sig[prm.name] = "fp32"
         key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), nw, ns, nreg)
-        if key in seen:
+        if key in seen or os.environ.get("SASS_ONLY", "") not in fn.__name__:
             continue
         seen.add(key)
         try:
@@ -722,6 +722,9 @@ def offline_sm90(cfg_json: str) -> int:
                                  capture_output=True, text=True).stdout
             sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
                                   capture_output=True, text=True).stdout
+        if os.environ.get("SASS_DIR"):
+            with open(os.path.join(os.environ["SASS_DIR"], f"{fn.__name__}.sass"), "w") as f_out:
+                f_out.write(sass)
         m = re.search(r"REG:(\d+) STACK:(\d+)", use)
         ops = " ".join(f"{o} {len(re.findall(o, sass))}" for o in ("HGMMA", "HMMA", "STL", "LDL"))
         say(f"{fn.__name__:32s} warps {nw} stages {ns}: {m.group(0) if m else '?'}; {ops}")
@@ -730,7 +733,7 @@ def offline_sm90(cfg_json: str) -> int:
 
 # --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    global S, OUT, BUDGET, BASE
+    global S, OUT, BUDGET, BASE, NO_BACKWARD
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
@@ -751,7 +754,7 @@ def main() -> int:
                         "(optionally with LaunchConfig fields as JSON)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
-    S, OUT, BUDGET = Setup(a.smoke), a.out, a.budget
+    S, OUT, BUDGET, NO_BACKWARD = Setup(a.smoke), a.out, a.budget, a.no_backward
     os.makedirs(OUT, exist_ok=True)
     if a.config:
         # The public ops read the module's default at call time: every step, checks included, runs this config.

@@ -69,6 +69,19 @@ def test_extreme_gates_and_lengths(T):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(S, S_ref) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_separable_and_sub_block_score_paths_side_by_side(dtype):
+    """Head 0 decays by about 3 a step (96 over 32 rows: not separable, so the scores go by sub-blocks with the
+    product diagonal); head 1 by about 0.5 (separable: one product per channel step)."""
+    x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=39)
+    g = x["g"].double()
+    g[:, :, 0] = -3.0 + 0.1 * torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x["g"] = g.to(dtype)
+    o, S = run(x)
+    o_ref, S_ref = reference(x, KernelOptions())
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
 def test_varlen_with_empty_and_length_one_sequences():
     cu = torch.tensor([0, 1, 1, 70, 71, 90])
     x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, dtype=torch.bfloat16, seed=34)

@@ -47,6 +47,9 @@ class LaunchConfig:
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
     scores_stages: int = 1            # software pipelining of its channel loop (1: none)
+    # Separable chunks (chunk_wy.chunk_separable) in their own launch, Aqk and Akk in two (one accumulator a program:
+    # fewer registers); the other chunks in a third
+    scores_split: bool = True
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
@@ -198,12 +201,14 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if cfg.fuse_intra:
-        chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, SBKS=bks, **wy, **shared)
+        chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, BK=p.BK, SBKS=bks, **wy, **shared)
     else:
-        chunk_kda_fwd_scores_kernel[(NT, HV)](
-            Aqk=Aqk, Akk=Akk, BKS=bks, num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
-            **reg_cap(cfg.scores_regs), **shared,
-        )
+        for path, rows in (((1, 1), (1, 2), (2, 0)) if cfg.scores_split else ((0, 0),)):
+            chunk_kda_fwd_scores_kernel[(NT, HV)](
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, PATH=path, ROWS=rows, num_warps=cfg.scores_warps,
+                num_stages=cfg.scores_stages,
+                **reg_cap(cfg.scores_regs), **shared,
+            )
         chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)

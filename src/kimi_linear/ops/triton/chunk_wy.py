@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
+    HALF_LIMIT,
     SAFE_EXP,
     block_of,
     chunk_coords,
@@ -73,9 +74,10 @@ def diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
 def chunk_scores(
     q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
+    """Aqk (ROWS 0 or 1) and Akk (ROWS 0 or 2) of the chunk at t0, every [BT, BT] entry (zero above the diagonal,
+    and on it for Akk), stored. One of the two per program halves the live accumulators (registers).
 
     Three products per channel step, each with factors <= 1 (rows i, columns j; sub-blocks of 16 rows):
 
@@ -85,9 +87,11 @@ def chunk_scores(
       :func:`diagonal_pairwise`).
 
     ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between
-    sub-blocks are per-channel vectors. Each product spans the whole chunk (the half product's operands are zero
-    outside their rows; the other two are masked), so all are [BT, BKS] x [BKS, BT] tensor-core products."""
+    sub-blocks are per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows,
+    the diagonal product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products."""
     tl.static_assert(BT == 4 * BC)
+    DO_Q: tl.constexpr = ROWS != 2
+    DO_K: tl.constexpr = ROWS != 1
     o_t = tl.arange(0, BT)
     s = o_t // BC                                                          # [BT] sub-block of each row
     s_r = s[:, None]                                                       # [BT, 1]
@@ -104,42 +108,125 @@ def chunk_scores(
         b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
         b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
                          tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+        b_q = b_k
+        if DO_Q:
+            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
         b_rho = tl.exp(b_P)                        # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
-        b_kap = b_k * tl.exp(b_own - b_P)          # [BT, BKS] k_j exp(G_e - G_j), e: the last row of j's sub-block
+        b_kap = tf32_operand(b_k * tl.exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
         # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
         b_hr = tl.where(s_r == 3, tl.exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
         b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, tl.exp(b_t1)[None, :],
                                                       tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
-        b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
+        if DO_Q:
+            b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
+        if DO_K:
+            b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
         # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
         # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
         # columns negated takes it out again, so nothing here is masked.
         b_qr = tf32_operand(b_q * b_rho, PREC)
         b_kr = tf32_operand(b_k * b_rho, PREC)
-        b_cq = tf32_operand(b_kap, PREC)
-        b_ct = tl.trans(tl.where((s_r % 2) == 0, b_cq, 0.0))                   # [BKS, BT]
-        b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
-        b_ct = tl.trans(tl.where(s_r == 0, -b_cq, 0.0))                        # [BKS, BT]
-        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct, b_ak, PREC)
+        b_ct = tl.trans(tl.where((s_r % 2) == 0, b_kap, 0.0))                  # [BKS, BT]
+        b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                      # [BKS, BT]
+        if DO_Q:
+            b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
+            b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
+        if DO_K:
+            b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
+            b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
         b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
         if tl.min(b_tmin) > -SAFE_EXP:
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
             b_ct = tl.trans(tf32_operand(b_k * tl.exp(-b_P), PREC))        # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
-            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
+            if DO_Q:
+                b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            if DO_K:
+                b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
         else:
             b_dq, b_dk = diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
                                            H, HV, K, BT, BC, USE_QK_L2NORM)
             b_aq += b_dq
             b_ak += b_dk
-    store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
-    store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    if DO_Q:
+        store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    if DO_K:
+        store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+
+
+@triton.jit
+def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+    """Whether the gate of every channel falls by less than HALF_LIMIT over each 32-row half of the chunk at t0:
+    then ``exp(G_i - G_31)`` and ``exp(G_31 - G_j)`` are normal float32 numbers for every row (<= e^HALF_LIMIT),
+    and the chunk's scores are one product per channel step (:func:`separable_scores`)."""
+    o_k = tl.arange(0, BK)
+    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BK]
+    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    return tl.max(tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3))) < HALF_LIMIT
+
+
+@triton.jit
+def separable_scores(
+    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
+):
+    """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
+    ``D_i = G_i - G_31``, ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel step is one product of rows
+    ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs (j <= i) are <= 1; the dropped
+    ones (j > i) may overflow, and are only ever selected away."""
+    DO_Q: tl.constexpr = ROWS != 2
+    DO_K: tl.constexpr = ROWS != 1
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)    # [BKS]
+        b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+        b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+        # D = G - G_31 from the sub-block sums: + tot_2 below sub-block 2; - tot_1 (and - tot_0) above row 32
+        b_D = (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+               + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
+               - tl.where(s_r == 0, b_t0[None, :], 0.0))                    # [BT, BKS]
+        b_er = tl.exp(b_D)                                                 # [BT, BKS]
+        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+        b_ct = tl.trans(tf32_operand(b_k * tl.exp(-b_D), PREC))            # [BKS, BT]
+        if DO_Q:
+            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+            b_aq = mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_aq, PREC)
+        if DO_K:
+            b_ak = mm_rounded(tf32_operand(b_k * b_er, PREC), b_ct, b_ak, PREC)
+    if DO_Q:
+        store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    if DO_K:
+        store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+
+
+@triton.jit
+def any_scores(
+    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, PATH: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The scores of one chunk by the path its gate allows. ``PATH``: 0 whichever applies; 1 only separable
+    chunks (others left for a PATH 2 launch); 2 only the others. Both launches evaluate the same test on the same
+    numbers, so every chunk is written exactly once."""
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+    if sep:
+        if PATH != 2:
+            separable_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                             USE_QK_L2NORM, PREC, ROWS)
+    else:
+        if PATH != 1:
+            chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                         USE_QK_L2NORM, PREC, ROWS)
 
 
 @triton.jit
@@ -148,13 +235,14 @@ def chunk_kda_fwd_scores_kernel(
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    PATH: tl.constexpr, ROWS: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BKS,
-                 USE_QK_L2NORM, PREC)
+    any_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, BKS,
+               USE_QK_L2NORM, PREC, PATH, ROWS)
 
 
 @triton.jit
@@ -220,7 +308,8 @@ def wy_factors(
     tl.debug_barrier()
 
     o_t = tl.arange(0, BT)
-    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT)                  # [BT, BT]
+    # rounded to tf32 once for the eight products below (mm would round it again for each)
+    b_T = tf32_operand(load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT), PREC)   # [BT, BT]
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
@@ -229,14 +318,16 @@ def wy_factors(
         b_eG = tl.exp(b_G)
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
-        store_rows(w, mm(b_T, b_k * b_eG * b_beta[:, None], PREC), bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        b_w = mm_rounded(b_T, tf32_operand(b_k * b_eG * b_beta[:, None], PREC), tl.zeros([BT, BKS], tl.float32), PREC)
+        store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(kg, b_k * tl.exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
         tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
     for c0 in range(0, V, BV):
         o_v = c0 + tl.arange(0, BV)
         b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32) * b_beta[:, None]  # [BT, BV]
-        store_rows(u, mm(b_T, b_v, PREC), bos, t0, T_n, i_hv, HV, V, o_v, BT)
+        b_u = mm_rounded(b_T, tf32_operand(b_v, PREC), tl.zeros([BT, BV], tl.float32), PREC)
+        store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
 
 
 @triton.jit
@@ -263,7 +354,7 @@ def chunk_kda_fwd_intra_kernel(
     cu_seqlens, chunk_indices,
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SBKS: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, SBKS: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -273,7 +364,8 @@ def chunk_kda_fwd_intra_kernel(
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, SBKS, USE_QK_L2NORM, PREC)
+    any_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BK, SBKS, USE_QK_L2NORM, PREC,
+               0, 0)
     # The WY part reads Akk rows other threads of this program stored: make them visible first.
     tl.debug_barrier()
     wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H, HV, K, V,
