@@ -602,8 +602,7 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(scores_bks=64), dict(scores_split=False), dict(scores_warps=8), dict(wy_regs=200),
-             dict(wy_regs=0), dict(wy_regs=200, wy_bks=64)]
+SWEEP_FWD = [dict(), dict(scores_split=True), dict(wy_regs=0), dict(wy_regs=232)]
 SWEEP_BWD = [dict(bwd_intra_bk=bk, bwd_intra_prec=prec, bwd_warps=w) for bk, prec, w in (
     (32, "tf32x3", 4), (64, "tf32x3", 4), (32, "tf32", 4), (64, "tf32", 4), (32, "tf32x3", 8), (64, "tf32", 8),
     (16, "tf32x3", 4))]
@@ -723,7 +722,7 @@ def offline_sm90(cfg_json: str) -> int:
             sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
                                   capture_output=True, text=True).stdout
         if os.environ.get("SASS_DIR"):
-            with open(os.path.join(os.environ["SASS_DIR"], f"{fn.__name__}.sass"), "w") as f_out:
+            with open(os.path.join(os.environ["SASS_DIR"], f"{fn.__name__}.{len(seen)}.sass"), "w") as f_out:
                 f_out.write(sass)
         m = re.search(r"REG:(\d+) STACK:(\d+)", use)
         ops = " ".join(f"{o} {len(re.findall(o, sass))}" for o in ("HGMMA", "HMMA", "STL", "LDL"))

@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--B", type=int, default=16, help="batch")
     ap.add_argument("--T", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--no-fla", action="store_true", help="profile ours only")
+    ap.add_argument("--lower-bound", action="store_true", help="the lower_bound=-5 gate (fla: safe_gate) for both")
     ap.add_argument("--config", default="{}", help="LaunchConfig fields as JSON, e.g. '{\"fuse_intra\": true}'")
     a = ap.parse_args()
     cfg = replace(DEFAULT_CONFIG, **json.loads(a.config))
@@ -34,15 +35,17 @@ def main() -> int:
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     q, k, v, g = (rnd(a.B, a.T, H, D).bfloat16() for _ in range(4))
     beta = rnd(a.B, a.T, H).bfloat16()
-    A_log, dt_bias = (rnd(H) * 0.5).float(), (rnd(H * D) * 0.5).float()
+    A_log, dt_bias = (rnd(H) * 0.5).float(), (rnd(H * D) * 0.5 - (4.0 if a.lower_bound else 0.0)).float()
+    lb = -5.0 if a.lower_bound else None
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               A_log=A_log, dt_bias=dt_bias)
-    ours = lambda: chunk_kda_fwd(q, k, v, g, beta, D ** -0.5, None, True, KernelOptions(lower_bound=None, **kw),
+    ours = lambda: chunk_kda_fwd(q, k, v, g, beta, D ** -0.5, None, True, KernelOptions(lower_bound=lb, **kw),
                                  None, cfg)
     fla = None
     if not a.no_fla:
         from fla.ops.kda import chunk_kda
-        fla = lambda: chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw)
+        extra = dict(safe_gate=True, lower_bound=lb) if a.lower_bound else {}
+        fla = lambda: chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw, **extra)
     for fn in (ours, fla):
         if fn is not None:
             fn()

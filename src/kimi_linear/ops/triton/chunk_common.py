@@ -48,14 +48,25 @@ def cast(b_x, dtype: tl.constexpr):
 
 
 @triton.jit
+def fast_exp(b_x):
+    """``exp(b_x)`` for float32 as one multiply and the hardware's ``ex2.approx.ftz`` (relative error ~2^-22):
+    tl.exp adds range checks and rescaling around it for results below 2^-126, which the pipeline's factors (all
+    <= 1 or bounded by SAFE_EXP / HALF_LIMIT) only reach where flushing them to zero is right."""
+    if INTERPRET:
+        return tl.exp(b_x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [b_x * 1.4426950408889634],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def tf32_round(b_x):
-    """float32 -> the nearest tf32 value (10 mantissa bits, ties to even), still as float32. A tf32 product
+    """float32 -> the nearest tf32 value (10 mantissa bits, ties away from zero), still as float32. A tf32 product
     *truncates* its float32 operands (Triton 3.6 on Hopper: the low 13 bits are ignored), which biases every
     product towards zero; sums of many such products (dA_log) then drift by percents. Rounding first makes the
-    truncation exact."""
+    truncation exact. Two integer operations (half an ulp added to the magnitude's bits, the low bits cleared):
+    ties away from zero rather than to even, which is as unbiased for data that is not on ties."""
     b_u = b_x.to(tl.uint32, bitcast=True)
-    b_u = b_u + 0xFFF + ((b_u >> 13) & 1)
-    return ((b_u >> 13) << 13).to(tl.float32, bitcast=True)
+    return ((b_u + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -283,34 +294,29 @@ def chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                            USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """``(I + diag(beta) A_bb)^-1`` of the chunk's BT // BC diagonal [BC, BC] blocks of Akk (strictly lower) at
-    once, by forward substitution: row i of every inverse is ``e_i - sum_{m < i} beta_i A[i, m] (row m)``, with
-    row i of the blocks loaded from memory (no reduction to pick it out of a tile). [BT // BC, BC, BC] float32."""
-    NB: tl.constexpr = BT // BC
-    o_b = tl.arange(0, NB)                                                 # [NB]
-    o_i = tl.arange(0, BC)                                                 # [BC]
-    b_eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)               # [BC, BC]
-    b_T = tl.zeros([NB, BC, BC], dtype=tl.float32) + b_eye[None, :, :]     # [NB, BC, BC]
-    b_beta = tl.reshape(load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL), [NB, BC])
+def diagonal_block_inverse(Akk, beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                           USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """``(I + diag(beta) A)^-1`` of the diagonal [BC, BC] block of Akk at rows (and chunk columns) r0 .. r0 + BC
+    (A strictly lower), by forward substitution: row i of the inverse is ``e_i - beta_i sum_{m < i} A[i, m]
+    (row m)``. Row i of A is loaded from memory where it is used (no reduction to pick it out of a tile). The
+    inverse is built transposed (``b_Tt[:, i]`` = row i), so each step's sum runs along the second axis: inside
+    a warp, where the first axis of a small tile is split across warps (no shared memory, no barrier)."""
+    o_i = tl.arange(0, BC)
+    c0 = r0 % BT                                                           # the block's first column in the chunk
+    b_Tt = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)                # [BC, BC] the inverse, transposed
     for i in tl.static_range(1, BC):                                       # unrolled: every row's load issued early
-        r = t0 + o_b * BC + i                                              # [NB] row i of each block
-        m_a = (r < T_n)[:, None] & (o_i < i)[None, :]
-        b_a = tl.load(Akk + ((bos + r) * HV + i_hv)[:, None] * BT + (o_b * BC)[:, None] + o_i[None, :],
-                      mask=m_a, other=0.0)                                 # [NB, BC] A[i, m], m < i
-        b_a = b_a * tl.sum(tl.where(o_i[None, :] == i, b_beta, 0.0), 1)[:, None]
-        b_row = -tl.sum(b_a[:, :, None] * b_T, 1)                          # [NB, BC]
-        b_e = tl.where(o_i == i, 1.0, 0.0)                                # [BC] e_i
-        b_T = tl.where((o_i == i)[None, :, None], b_row[:, None, :] + b_e[None, None, :], b_T)
-    return b_T
-
-
-@triton.jit
-def block_of(b_T, b: tl.constexpr):
-    """Block b of a [NB, BC, BC] stack: [BC, BC]."""
-    o_b = tl.arange(0, b_T.shape[0])
-    return tl.sum(tl.where((o_b == b)[:, None, None], b_T, 0.0), 0)
+        r = r0 + i
+        m_r = (r + o_i * 0) < T_n                                          # [BC] (a vector: the interpreter wants one)
+        b_a = tl.load(Akk + ((bos + r) * HV + i_hv) * BT + c0 + o_i, mask=(o_i < i) & m_r, other=0.0)   # [BC]
+        # beta_i as a [BC] broadcast (one address: a single transaction)
+        b_b = tl.load(beta + (bos + r) * HV + i_hv + o_i * 0, mask=m_r, other=0.0).to(tl.float32)
+        if USE_BETA_SIGMOID:
+            b_b = tl.sigmoid(b_b)
+            if NEG_EIGVAL:
+                b_b = 2.0 * b_b
+        b_row = -b_b * tl.sum(b_Tt * b_a[None, :], 1)                      # [BC] row i (no diagonal yet)
+        b_Tt = tl.where((o_i == i)[None, :], b_row[:, None] + tl.where(o_i == i, 1.0, 0.0)[:, None], b_Tt)
+    return tl.trans(b_Tt)
 
 
 def next_pow2(n: int) -> int:

@@ -49,7 +49,7 @@ class LaunchConfig:
     scores_stages: int = 1            # software pipelining of its channel loop (1: none)
     # Separable chunks (chunk_wy.chunk_separable) in their own launch, Aqk and Akk in two (one accumulator a program:
     # fewer registers); the other chunks in a third
-    scores_split: bool = True
+    scores_split: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
@@ -203,7 +203,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     if cfg.fuse_intra:
         chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, BK=p.BK, SBKS=bks, **wy, **shared)
     else:
-        for path, rows in (((1, 1), (1, 2), (2, 0)) if cfg.scores_split else ((0, 0),)):
+        for path, rows in (((1, 1), (1, 2), (2, 0)) if cfg.scores_split else ((1, 0), (2, 0))):
             chunk_kda_fwd_scores_kernel[(NT, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, PATH=path, ROWS=rows, num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages,

@@ -26,10 +26,10 @@ import triton.language as tl
 from .chunk_common import (
     HALF_LIMIT,
     SAFE_EXP,
-    block_of,
     chunk_coords,
     chunk_gate_terms,
-    diagonal_block_inverses,
+    diagonal_block_inverse,
+    fast_exp,
     load_beta,
     load_norms,
     load_rows,
@@ -112,11 +112,11 @@ def chunk_scores(
         b_q = b_k
         if DO_Q:
             b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
-        b_rho = tl.exp(b_P)                        # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
-        b_kap = tf32_operand(b_k * tl.exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
+        b_rho = fast_exp(b_P)                        # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
+        b_kap = tf32_operand(b_k * fast_exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
         # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
-        b_hr = tl.where(s_r == 3, tl.exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
-        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, tl.exp(b_t1)[None, :],
+        b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
+        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, fast_exp(b_t1)[None, :],
                                                       tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
         if DO_Q:
             b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
@@ -138,7 +138,7 @@ def chunk_scores(
         b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
         if tl.min(b_tmin) > -SAFE_EXP:
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
-            b_ct = tl.trans(tf32_operand(b_k * tl.exp(-b_P), PREC))        # [BKS, BT]
+            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))        # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
             if DO_Q:
                 b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
@@ -194,9 +194,9 @@ def separable_scores(
         b_D = (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
                + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
                - tl.where(s_r == 0, b_t0[None, :], 0.0))                    # [BT, BKS]
-        b_er = tl.exp(b_D)                                                 # [BT, BKS]
+        b_er = fast_exp(b_D)                                                 # [BT, BKS]
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
-        b_ct = tl.trans(tf32_operand(b_k * tl.exp(-b_D), PREC))            # [BKS, BT]
+        b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))            # [BKS, BT]
         if DO_Q:
             b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
             b_aq = mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_aq, PREC)
@@ -265,14 +265,15 @@ def wy_factors(
     o_j = tl.arange(0, BC)
 
     # (I + diag(beta) Akk)^-1 by 16x16 blocks: Tm_II by substitution, Tm_IJ = -Tm_II sum_{J<=M<I} A_IM Tm_MJ.
-    b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
     b_b2 = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b3 = load_beta(beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_T00 = block_of(b_T, 0)                                              # [BC, BC]
-    b_T11 = block_of(b_T, 1)
-    b_T22 = block_of(b_T, 2)
-    b_T33 = block_of(b_T, 3)
+    b_T00 = diagonal_block_inverse(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_T11 = diagonal_block_inverse(Akk, beta, bos, t0 + BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_T22 = diagonal_block_inverse(Akk, beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
+                                   NEG_EIGVAL)
+    b_T33 = diagonal_block_inverse(Akk, beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
+                                   NEG_EIGVAL)
     b_A10 = load_A_block(Akk, b_b1, bos, t0, 1, 0, T_n, i_hv, HV, BT, BC)                        # [BC, BC]
     b_A20 = load_A_block(Akk, b_b2, bos, t0, 2, 0, T_n, i_hv, HV, BT, BC)
     b_A21 = load_A_block(Akk, b_b2, bos, t0, 2, 1, T_n, i_hv, HV, BT, BC)
@@ -315,13 +316,13 @@ def wy_factors(
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2, [BKS]
-        b_eG = tl.exp(b_G)
+        b_eG = fast_exp(b_G)
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
         b_w = mm_rounded(b_T, tf32_operand(b_k * b_eG * b_beta[:, None], PREC), tl.zeros([BT, BKS], tl.float32), PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(kg, b_k * tl.exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
         tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
     for c0 in range(0, V, BV):
         o_v = c0 + tl.arange(0, BV)
