@@ -71,6 +71,7 @@ LOG: list[str] = []
 OUT = "."
 START = time.time()
 BUDGET = 0.0                                                    # seconds from START; 0: no budget
+NO_FLA = False                                                  # --no-fla: no anchor columns (saves its compile)
 NO_BACKWARD = False                                             # --no-backward: forward steps and sweep rows only
 
 
@@ -166,7 +167,7 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def fla_ops():
-    if S.smoke:
+    if S.smoke or NO_FLA:
         return None, None
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -602,7 +603,7 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(scores_split=True), dict(wy_regs=0), dict(wy_regs=232)]
+SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True, wy_regs=200)]
 SWEEP_BWD = [dict(bwd_intra_bk=bk, bwd_intra_prec=prec, bwd_warps=w) for bk, prec, w in (
     (32, "tf32x3", 4), (64, "tf32x3", 4), (32, "tf32", 4), (64, "tf32", 4), (32, "tf32x3", 8), (64, "tf32", 8),
     (16, "tf32x3", 4))]
@@ -732,7 +733,7 @@ def offline_sm90(cfg_json: str) -> int:
 
 # --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    global S, OUT, BUDGET, BASE, NO_BACKWARD
+    global S, OUT, BUDGET, BASE, NO_BACKWARD, NO_FLA
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
@@ -747,13 +748,14 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true",
                    help="per-kernel times of many launch configs (forward and backward), and fla's kernels")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
+    p.add_argument("--no-fla", action="store_true", help="leave fla out (no anchor columns; saves its compile time)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
     p.add_argument("--offline-sm90", metavar="CFG_JSON", nargs="?", const="{}", default=None,
                    help="no GPU needed: compile the pipeline's kernels for sm_90, print registers/spills "
                         "(optionally with LaunchConfig fields as JSON)")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
-    S, OUT, BUDGET, NO_BACKWARD = Setup(a.smoke), a.out, a.budget, a.no_backward
+    S, OUT, BUDGET, NO_BACKWARD, NO_FLA = Setup(a.smoke), a.out, a.budget, a.no_backward, a.no_fla
     os.makedirs(OUT, exist_ok=True)
     if a.config:
         # The public ops read the module's default at call time: every step, checks included, runs this config.

@@ -82,6 +82,24 @@ def test_separable_and_sub_block_score_paths_side_by_side(dtype):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
+@pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 options"])
+def test_batched_diagonal_inverse(case):
+    """``LaunchConfig(wy_batched_inverse=True)``: the four diagonal 16x16 inverses in one substitution."""
+    cfg, cu, opts = LaunchConfig(wy_batched_inverse=True), None, NO_OPTIONS
+    if case == "extreme gates":
+        x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=40)
+        bar = 1e-4
+    else:
+        cu = torch.tensor([0, 1, 1, 70, 71, 90])
+        x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, raw=True, dtype=torch.bfloat16, seed=41)
+        opts = KernelOptions(True, True, True, False, torch.randn(2), torch.randn(2 * 32), None)
+        bar = 5e-3
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"],
+                         True, opts, cu, cfg=cfg)
+    o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
+    assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
+
+
 def test_varlen_with_empty_and_length_one_sequences():
     cu = torch.tensor([0, 1, 1, 70, 71, 90])
     x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, dtype=torch.bfloat16, seed=34)

@@ -319,5 +319,36 @@ def diagonal_block_inverse(Akk, beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BT: 
     return tl.trans(b_Tt)
 
 
+@triton.jit
+def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """``(I + diag(beta) A_bb)^-1`` of the chunk's BT // BC diagonal [BC, BC] blocks of Akk (strictly lower) at
+    once, by forward substitution: row i of every inverse is ``e_i - sum_{m < i} beta_i A[i, m] (row m)``, with
+    row i of the blocks loaded from memory (no reduction to pick it out of a tile). [BT // BC, BC, BC] float32."""
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)                                                 # [NB]
+    o_i = tl.arange(0, BC)                                                 # [BC]
+    b_eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)               # [BC, BC]
+    b_T = tl.zeros([NB, BC, BC], dtype=tl.float32) + b_eye[None, :, :]     # [NB, BC, BC]
+    b_beta = tl.reshape(load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL), [NB, BC])
+    for i in tl.static_range(1, BC):                                       # unrolled: every row's load issued early
+        r = t0 + o_b * BC + i                                              # [NB] row i of each block
+        m_a = (r < T_n)[:, None] & (o_i < i)[None, :]
+        b_a = tl.load(Akk + ((bos + r) * HV + i_hv)[:, None] * BT + (o_b * BC)[:, None] + o_i[None, :],
+                      mask=m_a, other=0.0)                                 # [NB, BC] A[i, m], m < i
+        b_a = b_a * tl.sum(tl.where(o_i[None, :] == i, b_beta, 0.0), 1)[:, None]
+        b_row = -tl.sum(b_a[:, :, None] * b_T, 1)                          # [NB, BC]
+        b_e = tl.where(o_i == i, 1.0, 0.0)                                # [BC] e_i
+        b_T = tl.where((o_i == i)[None, :, None], b_row[:, None, :] + b_e[None, None, :], b_T)
+    return b_T
+
+
+@triton.jit
+def block_of(b_T, b: tl.constexpr):
+    """Block b of a [NB, BC, BC] stack: [BC, BC]."""
+    o_b = tl.arange(0, b_T.shape[0])
+    return tl.sum(tl.where((o_b == b)[:, None, None], b_T, 0.0), 0)
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)

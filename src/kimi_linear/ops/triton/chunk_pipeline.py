@@ -52,6 +52,7 @@ class LaunchConfig:
     scores_split: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
+    wy_batched_inverse: bool = False  # the four diagonal 16x16 inverses as one [4, 16, 16] substitution
     h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
     h_warps: int = 4
     h_stages: int = 2
@@ -197,7 +198,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     wy = dict(v=v, beta=beta, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-              NEG_EIGVAL=opts.allow_neg_eigval, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs))
+              NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse, num_warps=cfg.wy_warps,
+              **reg_cap(cfg.wy_regs))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if cfg.fuse_intra:

@@ -26,9 +26,11 @@ import triton.language as tl
 from .chunk_common import (
     HALF_LIMIT,
     SAFE_EXP,
+    block_of,
     chunk_coords,
     chunk_gate_terms,
     diagonal_block_inverse,
+    diagonal_block_inverses,
     fast_exp,
     load_beta,
     load_norms,
@@ -258,7 +260,7 @@ def wy_factors(
     q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
 ):
     """The inverse and the WY factors of the chunk at t0 (flat chunk index i_c) from its Akk rows in memory."""
     tl.static_assert(BT == 4 * BC)
@@ -268,12 +270,20 @@ def wy_factors(
     b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
     b_b2 = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b3 = load_beta(beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_T00 = diagonal_block_inverse(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_T11 = diagonal_block_inverse(Akk, beta, bos, t0 + BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_T22 = diagonal_block_inverse(Akk, beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
-                                   NEG_EIGVAL)
-    b_T33 = diagonal_block_inverse(Akk, beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
-                                   NEG_EIGVAL)
+    if BATCHED_INVERSE:                   # the four diagonal blocks in one [4, BC, BC] substitution
+        b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+        b_T00 = block_of(b_T, 0)                                          # [BC, BC]
+        b_T11 = block_of(b_T, 1)
+        b_T22 = block_of(b_T, 2)
+        b_T33 = block_of(b_T, 3)
+    else:                                 # four [BC, BC] substitutions with warp-local sums
+        b_T00 = diagonal_block_inverse(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+        b_T11 = diagonal_block_inverse(Akk, beta, bos, t0 + BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
+                                       NEG_EIGVAL)
+        b_T22 = diagonal_block_inverse(Akk, beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
+                                       NEG_EIGVAL)
+        b_T33 = diagonal_block_inverse(Akk, beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
+                                       NEG_EIGVAL)
     b_A10 = load_A_block(Akk, b_b1, bos, t0, 1, 0, T_n, i_hv, HV, BT, BC)                        # [BC, BC]
     b_A20 = load_A_block(Akk, b_b2, bos, t0, 2, 0, T_n, i_hv, HV, BT, BC)
     b_A21 = load_A_block(Akk, b_b2, bos, t0, 2, 1, T_n, i_hv, HV, BT, BC)
@@ -340,12 +350,12 @@ def chunk_kda_fwd_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, i_t * BT, T_n, i_hv // (HV // H),
-               i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
+               i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, BATCHED_INVERSE)
 
 
 @triton.jit
@@ -357,7 +367,7 @@ def chunk_kda_fwd_intra_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, SBKS: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
 ):
     """The scores and WY kernels fused, one program per (chunk, value head) (``LaunchConfig(fuse_intra=True)``):
     one launch, and the chunk's q, k and gP read again from L1/L2 rather than from memory."""
@@ -370,4 +380,4 @@ def chunk_kda_fwd_intra_kernel(
     # The WY part reads Akk rows other threads of this program stored: make them visible first.
     tl.debug_barrier()
     wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H, HV, K, V,
-               BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
+               BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, BATCHED_INVERSE)
