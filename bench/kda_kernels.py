@@ -7,6 +7,7 @@
     python bench/kda_kernels.py --check --bench --profile --no-decode --budget 240    # the issue-4 run, < 5 min
     python bench/kda_kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
     python bench/kda_kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
+    python bench/kda_kernels.py --offline-sm90 --kernel scores --sass-dir /tmp/sass   # and keep their SASS
     python bench/kda_kernels.py --sweep                  # per-kernel times of launch configs (how defaults are set)
     python bench/kda_kernels.py --config '{"scores_bks": 64}' --check --bench    # every step under another config
 
@@ -71,6 +72,8 @@ LOG: list[str] = []
 OUT = "."
 START = time.time()
 BUDGET = 0.0                                                    # seconds from START; 0: no budget
+SASS_DIR = ""                                                   # --sass-dir: --offline-sm90 writes each kernel's SASS
+SASS_KERNEL = ""                                                # --kernel: --offline-sm90 compiles only these
 NO_FLA = False                                                  # --no-fla: no anchor columns (saves its compile)
 NO_BACKWARD = False                                             # --no-backward: forward steps and sweep rows only
 
@@ -706,7 +709,7 @@ def offline_sm90(cfg_json: str) -> int:
             else:
                 sig[prm.name] = "fp32"
         key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), nw, ns, nreg)
-        if key in seen or os.environ.get("SASS_ONLY", "") not in fn.__name__:
+        if key in seen or SASS_KERNEL not in fn.__name__:
             continue
         seen.add(key)
         try:
@@ -722,8 +725,8 @@ def offline_sm90(cfg_json: str) -> int:
                                  capture_output=True, text=True).stdout
             sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
                                   capture_output=True, text=True).stdout
-        if os.environ.get("SASS_DIR"):
-            with open(os.path.join(os.environ["SASS_DIR"], f"{fn.__name__}.{len(seen)}.sass"), "w") as f_out:
+        if SASS_DIR:
+            with open(os.path.join(SASS_DIR, f"{fn.__name__}.{len(seen)}.sass"), "w") as f_out:
                 f_out.write(sass)
         m = re.search(r"REG:(\d+) STACK:(\d+)", use)
         ops = " ".join(f"{o} {len(re.findall(o, sass))}" for o in ("HGMMA", "HMMA", "STL", "LDL"))
@@ -733,7 +736,7 @@ def offline_sm90(cfg_json: str) -> int:
 
 # --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    global S, OUT, BUDGET, BASE, NO_BACKWARD, NO_FLA
+    global S, OUT, BUDGET, BASE, NO_BACKWARD, NO_FLA, SASS_DIR, SASS_KERNEL
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
@@ -748,6 +751,8 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true",
                    help="per-kernel times of many launch configs (forward and backward), and fla's kernels")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
+    p.add_argument("--sass-dir", default="", help="with --offline-sm90: write each kernel's SASS here (NAME.N.sass)")
+    p.add_argument("--kernel", default="", help="with --offline-sm90: only kernels whose name contains this")
     p.add_argument("--no-fla", action="store_true", help="leave fla out (no anchor columns; saves its compile time)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
     p.add_argument("--offline-sm90", metavar="CFG_JSON", nargs="?", const="{}", default=None,
@@ -756,6 +761,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
     S, OUT, BUDGET, NO_BACKWARD, NO_FLA = Setup(a.smoke), a.out, a.budget, a.no_backward, a.no_fla
+    SASS_DIR, SASS_KERNEL = a.sass_dir, a.kernel
     os.makedirs(OUT, exist_ok=True)
     if a.config:
         # The public ops read the module's default at call time: every step, checks included, runs this config.

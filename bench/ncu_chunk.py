@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--no-fla", action="store_true", help="profile ours only")
     ap.add_argument("--lower-bound", action="store_true", help="the lower_bound=-5 gate (fla: safe_gate) for both")
-    ap.add_argument("--config", default="{}", help="LaunchConfig fields as JSON, e.g. '{\"fuse_intra\": true}'")
+    ap.add_argument("--config", default="{}", help="LaunchConfig fields as JSON, e.g. '{\"wy_batched_inverse\": true}'")
     a = ap.parse_args()
     cfg = replace(DEFAULT_CONFIG, **json.loads(a.config))
     H, D = 32, 128

@@ -124,36 +124,6 @@ def test_launch_config_refuses_bad_fields(field, value):
         LaunchConfig(**{field: value})
 
 
-FUSED = LaunchConfig(fuse_intra=True)
-
-
-@pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 GVA options", "odd widths"])
-def test_fused_scores_and_wy_kernel_is_the_two_kernels_bit_for_bit(case):
-    """``LaunchConfig(fuse_intra=True)`` runs the same device functions in one program per chunk: forward and
-    backward give the very same numbers as the two kernels (and so the reference tests above cover it)."""
-    from kimi_linear.ops.triton.chunk_pipeline import chunk_kda_bwd_pipeline
-
-    cu, opts = None, NO_OPTIONS
-    if case == "extreme gates":
-        x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=36)
-    elif case == "odd widths":
-        x = make_inputs(B=2, T=20, K=24, V=20, seed=37)
-    else:
-        cu = torch.tensor([0, 1, 1, 70, 71, 90])
-        x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, raw=True, dtype=torch.bfloat16, seed=38)
-        opts = KernelOptions(True, True, True, False, torch.randn(2), torch.randn(2 * 32), None)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"])
-    got = chunk_kda_fwd(*args, True, opts, cu, cfg=FUSED)
-    want = chunk_kda_fwd(*args, True, opts, cu, cfg=LaunchConfig())
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    do, dht = torch.randn_like(want[0]), torch.randn_like(want[1])
-    g_got = chunk_kda_bwd_pipeline(*args, opts, cu, do, dht, cfg=FUSED)
-    g_want = chunk_kda_bwd_pipeline(*args, opts, cu, do, dht, cfg=LaunchConfig())
-    for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"):
-        a, b = getattr(g_got, name), getattr(g_want, name)
-        assert (a is None and b is None) or torch.equal(a, b), name
-
-
 def test_public_op_reads_the_module_default_config_at_call_time(monkeypatch):
     """`bench/kda_kernels.py --config` swaps ``chunk.DEFAULT_CONFIG``: the forward without gradients must use it
     too (float32 intermediates change bf16 results), not the default bound when the pipeline was defined."""

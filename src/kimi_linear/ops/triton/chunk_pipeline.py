@@ -36,7 +36,7 @@ from .chunk_bwd import (
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
-from .chunk_wy import chunk_kda_fwd_intra_kernel, chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,6 @@ class LaunchConfig:
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
     scores_stages: int = 1            # software pipelining of its channel loop (1: none)
-    # Separable chunks (chunk_wy.chunk_separable) in their own launch, Aqk and Akk in two (one accumulator a program:
-    # fewer registers); the other chunks in a third
-    scores_split: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_batched_inverse: bool = False  # the four diagonal 16x16 inverses as one [4, 16, 16] substitution
@@ -63,9 +60,6 @@ class LaunchConfig:
     bwd_warps: int = 4
     bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
     bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
-    # Scores and WY in one kernel per (chunk, value head), with the WY kernel's warps and register cap. Not yet
-    # timed on a GPU (an experiment for the next device run; the interpreter tests check it).
-    fuse_intra: bool = False
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweep of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -202,16 +196,12 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
               **reg_cap(cfg.wy_regs))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
-    if cfg.fuse_intra:
-        chunk_kda_fwd_intra_kernel[(NT, HV)](Aqk=Aqk, Akk=Akk, BK=p.BK, SBKS=bks, **wy, **shared)
-    else:
-        for path, rows in (((1, 1), (1, 2), (2, 0)) if cfg.scores_split else ((1, 0), (2, 0))):
-            chunk_kda_fwd_scores_kernel[(NT, HV)](
-                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, PATH=path, ROWS=rows, num_warps=cfg.scores_warps,
-                num_stages=cfg.scores_stages,
-                **reg_cap(cfg.scores_regs), **shared,
-            )
-        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)
+    for separable in (True, False):
+        chunk_kda_fwd_scores_kernel[(NT, HV)](
+            Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, num_warps=cfg.scores_warps,
+            num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
+        )
+    chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None

@@ -76,10 +76,9 @@ def diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
 def chunk_scores(
     q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Aqk (ROWS 0 or 1) and Akk (ROWS 0 or 2) of the chunk at t0, every [BT, BT] entry (zero above the diagonal,
-    and on it for Akk), stored. One of the two per program halves the live accumulators (registers).
+    """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
 
     Three products per channel step, each with factors <= 1 (rows i, columns j; sub-blocks of 16 rows):
 
@@ -92,8 +91,6 @@ def chunk_scores(
     sub-blocks are per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows,
     the diagonal product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products."""
     tl.static_assert(BT == 4 * BC)
-    DO_Q: tl.constexpr = ROWS != 2
-    DO_K: tl.constexpr = ROWS != 1
     o_t = tl.arange(0, BT)
     s = o_t // BC                                                          # [BT] sub-block of each row
     s_r = s[:, None]                                                       # [BT, 1]
@@ -111,19 +108,15 @@ def chunk_scores(
         b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
                          tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
-        b_q = b_k
-        if DO_Q:
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
-        b_rho = fast_exp(b_P)                        # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+        b_rho = fast_exp(b_P)                      # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
         b_kap = tf32_operand(b_k * fast_exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
         # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
         b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
         b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, fast_exp(b_t1)[None, :],
                                                       tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
-        if DO_Q:
-            b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
-        if DO_K:
-            b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
+        b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
         # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
         # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
         # columns negated takes it out again, so nothing here is masked.
@@ -131,30 +124,24 @@ def chunk_scores(
         b_kr = tf32_operand(b_k * b_rho, PREC)
         b_ct = tl.trans(tl.where((s_r % 2) == 0, b_kap, 0.0))                  # [BKS, BT]
         b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                      # [BKS, BT]
-        if DO_Q:
-            b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
-            b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
-        if DO_K:
-            b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
-            b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
+        b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
+        b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
         b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
         if tl.min(b_tmin) > -SAFE_EXP:
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
-            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))        # [BKS, BT]
+            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-            if DO_Q:
-                b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
-            if DO_K:
-                b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
+            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
         else:
             b_dq, b_dk = diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
                                            H, HV, K, BT, BC, USE_QK_L2NORM)
             b_aq += b_dq
             b_ak += b_dk
-    if DO_Q:
-        store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
-    if DO_K:
-        store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
 
 
 @triton.jit
@@ -174,14 +161,12 @@ def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, B
 def separable_scores(
     q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, ROWS: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
     ``D_i = G_i - G_31``, ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel step is one product of rows
     ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs (j <= i) are <= 1; the dropped
     ones (j > i) may overflow, and are only ever selected away."""
-    DO_Q: tl.constexpr = ROWS != 2
-    DO_K: tl.constexpr = ROWS != 1
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
@@ -196,39 +181,14 @@ def separable_scores(
         b_D = (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
                + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
                - tl.where(s_r == 0, b_t0[None, :], 0.0))                    # [BT, BKS]
-        b_er = fast_exp(b_D)                                                 # [BT, BKS]
+        b_er = fast_exp(b_D)                                               # [BT, BKS]
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
-        b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))            # [BKS, BT]
-        if DO_Q:
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
-            b_aq = mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_aq, PREC)
-        if DO_K:
-            b_ak = mm_rounded(tf32_operand(b_k * b_er, PREC), b_ct, b_ak, PREC)
-    if DO_Q:
-        store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
-    if DO_K:
-        store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
-
-
-@triton.jit
-def any_scores(
-    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, PATH: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """The scores of one chunk by the path its gate allows. ``PATH``: 0 whichever applies; 1 only separable
-    chunks (others left for a PATH 2 launch); 2 only the others. Both launches evaluate the same test on the same
-    numbers, so every chunk is written exactly once."""
-    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-    if sep:
-        if PATH != 2:
-            separable_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                             USE_QK_L2NORM, PREC, ROWS)
-    else:
-        if PATH != 1:
-            chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                         USE_QK_L2NORM, PREC, ROWS)
+        b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+        b_aq = mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tf32_operand(b_k * b_er, PREC), b_ct, b_ak, PREC)
+    store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
 
 
 @triton.jit
@@ -239,12 +199,23 @@ def chunk_kda_fwd_scores_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PATH: tl.constexpr, ROWS: tl.constexpr,
+    SEPARABLE: tl.constexpr,
 ):
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: two launches that evaluate the
+    same test on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in about 100 registers a thread, the other near 255)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    any_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, BKS,
-               USE_QK_L2NORM, PREC, PATH, ROWS)
+    t0, i_h = i_t * BT, i_hv // (HV // H)
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+    if SEPARABLE:
+        if sep:
+            separable_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                             USE_QK_L2NORM, PREC)
+    else:
+        if not sep:
+            chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                         USE_QK_L2NORM, PREC)
 
 
 @triton.jit
@@ -356,28 +327,3 @@ def chunk_kda_fwd_wy_kernel(
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, i_t * BT, T_n, i_hv // (HV // H),
                i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, BATCHED_INVERSE)
-
-
-@triton.jit
-def chunk_kda_fwd_intra_kernel(
-    q, k, v, beta, gP, rq, rk,        # inputs
-    Aqk, Akk, Tm, w, u, qg, kg, decay,    # out: what the scores and the WY kernels write
-    cu_seqlens, chunk_indices,
-    T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, SBKS: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
-):
-    """The scores and WY kernels fused, one program per (chunk, value head) (``LaunchConfig(fuse_intra=True)``):
-    one launch, and the chunk's q, k and gP read again from L1/L2 rather than from memory."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    t0 = i_t * BT
-    any_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BK, SBKS, USE_QK_L2NORM, PREC,
-               0, 0)
-    # The WY part reads Akk rows other threads of this program stored: make them visible first.
-    tl.debug_barrier()
-    wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H, HV, K, V,
-               BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, BATCHED_INVERSE)
