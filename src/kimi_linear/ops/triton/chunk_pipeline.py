@@ -3,7 +3,7 @@
 Forward (SPEC section 2), each kernel with a bounded working set:
 
     (a) chunk_prepare.py  gate -> gP (16-row sub-block sums), l2norm row factors rq, rk
-    (b) chunk_wy.py       scores: Aqk, Akk per 16-row sub-block of each chunk (all earlier columns in one product)
+    (b) chunk_wy.py       scores: Aqk, Akk per chunk, separable chunks in one product per channel step (two launches)
     (c, d) chunk_wy.py    (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
     (e) chunk_state.py    the state scan: h per chunk, vn = u - w h, final state
     (f) chunk_state.py    o = scale (qg h + Aqk vn)
@@ -62,7 +62,7 @@ class LaunchConfig:
     bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
-    # The defaults are the fastest of the H200 sweep of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
+    # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
     scores_regs: int = 0
     wy_regs: int = 168
     bwd_regs: int = 0
