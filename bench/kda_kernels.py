@@ -607,9 +607,8 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
 SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True, wy_regs=200)]
-SWEEP_BWD = [dict(bwd_intra_bk=bk, bwd_intra_prec=prec, bwd_warps=w) for bk, prec, w in (
-    (32, "tf32x3", 4), (64, "tf32x3", 4), (32, "tf32", 4), (64, "tf32", 4), (32, "tf32x3", 8), (64, "tf32", 8),
-    (16, "tf32x3", 4))]
+SWEEP_BWD = [dict(), dict(bwd_intra_separable=True), dict(bwd_intra_separable=True, bwd_sep_warps=8),
+             dict(bwd_intra_separable=True, bwd_sep_bk=16), dict(bwd_intra_prec="tf32")]
 
 
 def sweep_configs(fla_chunk) -> None:

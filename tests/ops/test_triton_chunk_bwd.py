@@ -118,3 +118,32 @@ def test_pytorch_recompute_fallback(monkeypatch):
     x = make_inputs(B=1, T=40, H=1, HV=2, K=32, V=16, raw=True, seed=47)
     opts, params = gate_opts(2, 32)
     check(x, opts, params)
+
+
+@pytest.mark.parametrize("case", ["float32 GVA", "mixed paths float32", "bf16 options", "extreme gates",
+                                  "varlen bf16"])
+def test_separable_score_gradients(case, monkeypatch):
+    """``LaunchConfig(bwd_intra_separable=True)``: the score gradients of separable chunks by one program per
+    chunk, the others by sub-block. "mixed paths": one value head decays by about 3 a step (not separable), the
+    other by about 0.5."""
+    import kimi_linear.ops.triton.chunk as tri_chunk
+    from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
+
+    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(bwd_intra_separable=True))
+    if case == "float32 GVA":
+        check(make_inputs(B=2, T=40, H=1, HV=2, K=32, V=16, seed=48))
+    elif case == "mixed paths float32":
+        x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, seed=49)
+        g = torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        x["g"][:, :, 0] = (-3.0 + 0.1 * g).float()
+        check(x)
+    elif case == "bf16 options":
+        x = make_inputs(B=1, T=70, H=1, HV=2, K=32, V=32, raw=True, dtype=torch.bfloat16, seed=42)
+        opts, params = gate_opts(2, 32)
+        check(x, opts, params, bar=2e-2)
+    elif case == "extreme gates":
+        x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=51)
+        check(x)
+    else:
+        check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, dtype=torch.bfloat16, seed=52), bar=2e-2,
+              cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))

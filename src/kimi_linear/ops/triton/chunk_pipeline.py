@@ -30,6 +30,7 @@ from .chunk_bwd import (
     chunk_kda_bwd_gate_kernel,
     chunk_kda_bwd_inter_kernel,
     chunk_kda_bwd_intra_kernel,
+    chunk_kda_bwd_intra_separable_kernel,
     chunk_kda_bwd_qk_kernel,
     chunk_kda_bwd_wy_kernel,
 )
@@ -60,6 +61,11 @@ class LaunchConfig:
     bwd_warps: int = 4
     bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
     bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
+    # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
+    # [64, BK] products (chunk_bwd.chunk_kda_bwd_intra_separable_kernel); interpreter-tested, not yet GPU-timed
+    bwd_intra_separable: bool = False
+    bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
+    bwd_sep_warps: int = 4
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -311,11 +317,15 @@ def chunk_kda_bwd_pipeline(
         **reg_cap(cfg.bwd_regs),
     )
     BKi = min(cfg.bwd_intra_bk, p.BK)
+    intra = dict(q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p,
+                 dg_p=dg_p, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, BKA=p.BK, **flags,
+                 PREC=p.prec_exact, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
+    if cfg.bwd_intra_separable:
+        BKs = min(cfg.bwd_sep_bk, p.BK)
+        chunk_kda_bwd_intra_separable_kernel[(NT, triton.cdiv(K, BKs), HV)](
+            **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
     chunk_kda_bwd_intra_kernel[(NT * (BT // BC), triton.cdiv(K, BKi), HV)](
-        q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p,
-        **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, **flags, PREC=p.prec_exact,
-        num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
-    )
+        SKIP_SEPARABLE=cfg.bwd_intra_separable, **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None

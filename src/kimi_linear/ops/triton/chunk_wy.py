@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
-    HALF_LIMIT,
     SAFE_EXP,
     block_of,
     chunk_coords,
     chunk_gate_terms,
+    chunk_separable,
     diagonal_block_inverse,
     diagonal_block_inverses,
     fast_exp,
@@ -37,6 +37,7 @@ from .chunk_common import (
     load_rows,
     mm,
     mm_rounded,
+    separable_exponent,
     store_rows,
     sub_block_total,
     tf32_operand,
@@ -145,19 +146,6 @@ def chunk_scores(
 
 
 @triton.jit
-def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
-    """Whether the gate of every channel falls by less than HALF_LIMIT over each 32-row half of the chunk at t0:
-    then ``exp(G_i - G_31)`` and ``exp(G_31 - G_j)`` are normal float32 numbers for every row (<= e^HALF_LIMIT),
-    and the chunk's scores are one product per channel step (:func:`separable_scores`)."""
-    o_k = tl.arange(0, BK)
-    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BK]
-    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
-    return tl.max(tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3))) < HALF_LIMIT
-
-
-@triton.jit
 def separable_scores(
     q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -174,13 +162,7 @@ def separable_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)    # [BKS]
-        b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-        b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-        # D = G - G_31 from the sub-block sums: + tot_2 below sub-block 2; - tot_1 (and - tot_0) above row 32
-        b_D = (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-               + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
-               - tl.where(s_r == 0, b_t0[None, :], 0.0))                    # [BT, BKS]
+        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC)   # [BT, BKS]
         b_er = fast_exp(b_D)                                               # [BT, BKS]
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
         b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
