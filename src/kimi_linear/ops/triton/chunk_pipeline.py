@@ -10,8 +10,8 @@ Forward (SPEC section 2), each kernel with a bounded working set:
 
 Backward: recompute (a)-(e) (nothing per chunk is kept between forward and backward), the reverse state scan
 (chunk_state.py), then five per-chunk kernels (chunk_bwd.py): products with the states and the WY factors' key side,
-the inverse and value side, the score matrices (per 16-row sub-block), the gate's cumulative sum and formula, and
-q/k (GVA sum, l2norm).
+the inverse and value side, the score matrices (per 16-row sub-block; optionally separable chunks whole), the gate's
+cumulative sum and formula, and q/k (GVA sum, l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
 bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``

@@ -4,13 +4,15 @@
 
     Aqk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)    (j <= i)       Akk[i, j] = same with k_i, j < i (no beta)
 
-as [BT, BKS] x [BKS, BT] tensor-core products per channel step whose factors are all <= 1, linked between 16-row
-sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Diagonal blocks use
-``exp(gP_i) exp(-gP_j)`` when every sub-block's gate sum is above -SAFE_EXP (the common case), else every pair's
+as [BT, BKS] x [BKS, BT] tensor-core products per channel step. Two launches: chunks whose gate falls by less than
+HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step
+(:func:`separable_scores`); the others take three with factors all <= 1, linked between 16-row sub-blocks by
+per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their diagonal blocks use
+``exp(gP_i) exp(-gP_j)`` when every sub-block's gate sum is above -SAFE_EXP, else every pair's
 ``exp(gP_i - gP_j)`` explicitly (strong decay, e.g. padding gates of -1000).
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
-blocks (forward substitution on the four diagonal blocks at once, block products below), stores the inverse ``Tm``
+blocks (forward substitution on the diagonal blocks, block products below), stores the inverse ``Tm``
 (read again at once as one [64, 64] tile, and by the backward), and writes
 
     w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
