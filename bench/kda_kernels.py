@@ -606,9 +606,11 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True, wy_regs=200)]
+SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True, wy_regs=200),
+             dict(scores_midpoint=True), dict(scores_midpoint=True, wy_batched_inverse=True)]
 SWEEP_BWD = [dict(), dict(bwd_intra_separable=True), dict(bwd_intra_separable=True, bwd_sep_warps=8),
-             dict(bwd_intra_separable=True, bwd_sep_bk=16), dict(bwd_intra_prec="tf32")]
+             dict(bwd_intra_separable=True, bwd_sep_bk=16), dict(bwd_intra_separable=True, scores_midpoint=True),
+             dict(bwd_intra_prec="tf32")]
 
 
 def sweep_configs(fla_chunk) -> None:

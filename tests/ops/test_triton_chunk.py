@@ -100,6 +100,28 @@ def test_batched_diagonal_inverse(case):
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
 
 
+def lopsided_gates(x, T):
+    """Value head 0 falls by 2.8 a step in the first half of each chunk and 0.5 in the second (about 90 then 16:
+    separable around each channel's midpoint, not around row 31); head 1 as drawn."""
+    g = x["g"].double()
+    steep = (torch.arange(T) % 64) < 32
+    g[:, :, 0] = torch.where(steep[:, None], -2.8, -0.5).to(g.dtype)
+    x["g"] = g.to(x["g"].dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_midpoint_separable_scores(dtype):
+    """``LaunchConfig(scores_midpoint=True)``: more chunks take the one-product path; same numbers as the
+    reference either way."""
+    x = lopsided_gates(make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=42), 130)
+    for cfg in (LaunchConfig(), LaunchConfig(scores_midpoint=True)):
+        o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
+                             NO_OPTIONS, None, cfg=cfg)
+        o_ref, S_ref = reference(x, NO_OPTIONS)
+        assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
 def test_varlen_with_empty_and_length_one_sequences():
     cu = torch.tensor([0, 1, 1, 70, 71, 90])
     x = make_inputs(B=1, T=90, H=1, HV=2, K=32, V=16, N=5, dtype=torch.bfloat16, seed=34)

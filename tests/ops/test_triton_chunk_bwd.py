@@ -120,16 +120,20 @@ def test_pytorch_recompute_fallback(monkeypatch):
     check(x, opts, params)
 
 
+@pytest.mark.parametrize("midpoint", [False, True])
 @pytest.mark.parametrize("case", ["float32 GVA", "mixed paths float32", "bf16 options", "extreme gates",
-                                  "varlen bf16"])
-def test_separable_score_gradients(case, monkeypatch):
+                                  "varlen bf16", "lopsided float32"])
+def test_separable_score_gradients(case, midpoint, monkeypatch):
     """``LaunchConfig(bwd_intra_separable=True)``: the score gradients of separable chunks by one program per
-    chunk, the others by sub-block. "mixed paths": one value head decays by about 3 a step (not separable), the
-    other by about 0.5."""
+    chunk, the others by sub-block; with ``scores_midpoint`` in the forward and backward too. "mixed paths": one
+    value head decays by about 3 a step (not separable), the other by about 0.5; "lopsided": separable only
+    around the midpoint (test_triton_chunk.lopsided_gates)."""
     import kimi_linear.ops.triton.chunk as tri_chunk
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
 
-    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(bwd_intra_separable=True))
+    from .test_triton_chunk import lopsided_gates
+
+    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(bwd_intra_separable=True, scores_midpoint=midpoint))
     if case == "float32 GVA":
         check(make_inputs(B=2, T=40, H=1, HV=2, K=32, V=16, seed=48))
     elif case == "mixed paths float32":
@@ -144,6 +148,8 @@ def test_separable_score_gradients(case, monkeypatch):
     elif case == "extreme gates":
         x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=51)
         check(x)
+    elif case == "lopsided float32":
+        check(lopsided_gates(make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, seed=53), 130))
     else:
         check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, dtype=torch.bfloat16, seed=52), bar=2e-2,
               cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))

@@ -213,7 +213,7 @@ def chunk_kda_bwd_intra_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    SKIP_SEPARABLE: tl.constexpr,
+    SKIP_SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
     """One program per (chunk and sub-block S, key block, value head): the rows of S. Sub-blocks run in parallel;
     the reverse cumulative sum of dG across them is :func:`chunk_kda_bwd_gate_kernel`'s. With ``SKIP_SEPARABLE``
@@ -225,7 +225,7 @@ def chunk_kda_bwd_intra_kernel(
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     if SKIP_SEPARABLE:
-        if not chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
+        if not chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC, MIDPOINT):
             sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
                             H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
     else:
@@ -307,10 +307,11 @@ def chunk_kda_bwd_intra_separable_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    MIDPOINT: tl.constexpr,
 ):
     """The score gradients of a chunk :func:`chunk_separable` accepts, one program per (chunk, key block, value
-    head), all 64 rows at once. With ``D = G - G_31``, ``E = exp(D)``: Aqk = (q E)(k / E)^T and Akk = (k E)(k / E)^T
-    on and below the diagonal, so
+    head), all 64 rows at once. With ``D = G - R`` (chunk_common.separable_exponent) and ``E = exp(D)``,
+    Aqk = (q E)(k / E)^T and Akk = (k E)(k / E)^T on and below the diagonal, so
 
         dq = E (dAqk (k / E))    dk = E (dAkk (k / E)) + (dAqk^T (q E) + dAkk^T (k E)) / E
 
@@ -321,10 +322,11 @@ def chunk_kda_bwd_intra_separable_kernel(
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
+    if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC, MIDPOINT):
         o_k = i_k * BK + tl.arange(0, BK)
         o_t = tl.arange(0, BT)
-        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, (o_t // BC)[:, None], BT, BC)   # [BT, BK]
+        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, (o_t // BC)[:, None], BT, BC,
+                                 MIDPOINT)                                  # [BT, BK]
         b_E = fast_exp(b_D)
         b_iE = fast_exp(-b_D)
         b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2

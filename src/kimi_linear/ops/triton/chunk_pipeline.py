@@ -48,6 +48,10 @@ class LaunchConfig:
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
     scores_stages: int = 1            # software pipelining of its channel loop (1: none)
+    # Separable chunks (chunk_common.chunk_separable) referred to each channel's midpoint: the gate may fall by 160
+    # over a chunk instead of 80 over each half (every chunk of the softplus benchmark instead of 77%). Forward and
+    # backward; interpreter-tested, not yet GPU-timed
+    scores_midpoint: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_batched_inverse: bool = False  # the four diagonal 16x16 inverses as one [4, 16, 16] substitution
@@ -204,7 +208,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                   BC=BC, **flags)
     for separable in (True, False):
         chunk_kda_fwd_scores_kernel[(NT, HV)](
-            Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, num_warps=cfg.scores_warps,
+            Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
+            num_warps=cfg.scores_warps,
             num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
         )
     chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)
@@ -319,7 +324,7 @@ def chunk_kda_bwd_pipeline(
     BKi = min(cfg.bwd_intra_bk, p.BK)
     intra = dict(q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p,
                  dg_p=dg_p, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, BKA=p.BK, **flags,
-                 PREC=p.prec_exact, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
+                 PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     if cfg.bwd_intra_separable:
         BKs = min(cfg.bwd_sep_bk, p.BK)
         chunk_kda_bwd_intra_separable_kernel[(NT, triton.cdiv(K, BKs), HV)](

@@ -151,12 +151,12 @@ def chunk_scores(
 def separable_scores(
     q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
     """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
-    ``D_i = G_i - G_31``, ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel step is one product of rows
-    ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs (j <= i) are <= 1; the dropped
-    ones (j > i) may overflow, and are only ever selected away."""
+    ``D_i = G_i - R`` (chunk_common.separable_exponent), ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel
+    step is one product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs
+    (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
@@ -164,7 +164,7 @@ def separable_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC)   # [BT, BKS]
+        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC, MIDPOINT)   # [BT, BKS]
         b_er = fast_exp(b_D)                                               # [BT, BKS]
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
         b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
@@ -183,7 +183,7 @@ def chunk_kda_fwd_scores_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    SEPARABLE: tl.constexpr,
+    SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: two launches that evaluate the
     same test on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -191,11 +191,11 @@ def chunk_kda_fwd_scores_kernel(
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
-    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, MIDPOINT)
     if SEPARABLE:
         if sep:
             separable_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                             USE_QK_L2NORM, PREC)
+                             USE_QK_L2NORM, PREC, MIDPOINT)
     else:
         if not sep:
             chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
