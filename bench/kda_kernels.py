@@ -607,7 +607,10 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
 SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True, wy_regs=200),
-             dict(scores_midpoint=True), dict(scores_midpoint=True, wy_batched_inverse=True)]
+             dict(scores_midpoint=True), dict(scores_midpoint=True, wy_batched_inverse=True), dict(wy_split=True),
+             dict(wy_split=True, wy_batched_inverse=True, wy_regs=0)]
+# Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
+SWEEP_FEW_WARPS = [dict(wy_split=True, inv_warps=2), dict(wy_split=True, inv_warps=1)]
 SWEEP_BWD = [dict(), dict(bwd_intra_separable=True), dict(bwd_intra_separable=True, bwd_sep_warps=8),
              dict(bwd_intra_separable=True, bwd_sep_bk=16), dict(bwd_intra_separable=True, scores_midpoint=True),
              dict(bwd_intra_prec="tf32")]
@@ -629,26 +632,31 @@ def sweep_configs(fla_chunk) -> None:
 
     o_ref = fwd(BASE)
     g_ref = bwd(BASE)
-    for kind, table in (("fwd", SWEEP_FWD), ("bwd", [] if NO_BACKWARD else SWEEP_BWD)):
-        for fields in table:
-            if over_budget():
-                say(f"  sweep {kind} {fields}: skipped (over the time budget)")
-                continue
-            cfg = replace(BASE, **fields)
-            try:
-                with Poison():
-                    if kind == "fwd":
-                        err = f"o err {rel(fwd(cfg), o_ref):.1e}"
-                    else:
-                        r = bwd(cfg)
-                        err = ", ".join(f"d{n} err {rel(getattr(r, 'd' + n), getattr(g_ref, 'd' + n)):.1e}"
-                                        for n in ("q", "k", "v", "g", "beta"))
-                rows = kernel_times((lambda: fwd(cfg)) if kind == "fwd" else (lambda: bwd(cfg)))
-                say(f"  sweep {kind} {fields}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
-                    f"{name.replace('chunk_kda_', '')[:28]} {ms:.3f}" for name, ms, n in rows[:10]) + f"; {err}")
-            except Exception as e:  # noqa: BLE001 - one failing shape must not lose the others
-                say(f"  sweep {kind} {fields} failed: {type(e).__name__}: {str(e)[:300]}")
-            save()
+
+    def run(kind, fields):
+        if over_budget():
+            say(f"  sweep {kind} {fields}: skipped (over the time budget)")
+            return
+        cfg = replace(BASE, **fields)
+        try:
+            with Poison():
+                if kind == "fwd":
+                    err = f"o err {rel(fwd(cfg), o_ref):.1e}"
+                else:
+                    r = bwd(cfg)
+                    err = ", ".join(f"d{n} err {rel(getattr(r, 'd' + n), getattr(g_ref, 'd' + n)):.1e}"
+                                    for n in ("q", "k", "v", "g", "beta"))
+            rows = kernel_times((lambda: fwd(cfg)) if kind == "fwd" else (lambda: bwd(cfg)))
+            say(f"  sweep {kind} {fields}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
+                f"{name.replace('chunk_kda_', '')[:28]} {ms:.3f}" for name, ms, n in rows[:10]) + f"; {err}")
+        except Exception as e:  # noqa: BLE001 - one failing shape must not lose the others
+            say(f"  sweep {kind} {fields} failed: {type(e).__name__}: {str(e)[:300]}")
+        save()
+
+    for fields in SWEEP_FWD:
+        run("fwd", fields)
+    for fields in [] if NO_BACKWARD else SWEEP_BWD:
+        run("bwd", fields)
     if fla_chunk is not None:
         for lb in (False, True):
             xf = make(B, T, seed=3, lb=lb)
@@ -659,6 +667,8 @@ def sweep_configs(fla_chunk) -> None:
                 say(f"  fla {'safe_gate' if lb else 'softplus'} {what}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
                     f"{name[:40]} {ms:.3f} x{n}" for name, ms, n in rows[:16]))
                 save()
+    for fields in SWEEP_FEW_WARPS:                  # last: a fault here takes the process down
+        run("fwd", fields)
 
 
 # ------------------------------------------------------------------------------------------------- offline sm_90 build

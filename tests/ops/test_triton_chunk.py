@@ -82,10 +82,17 @@ def test_separable_and_sub_block_score_paths_side_by_side(dtype):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
+WY_VARIANTS = {"batched inverse": LaunchConfig(wy_batched_inverse=True),
+               "split, 1 warp": LaunchConfig(wy_split=True, inv_warps=1),
+               "split, 2 warps, batched": LaunchConfig(wy_split=True, inv_warps=2, wy_batched_inverse=True)}
+
+
+@pytest.mark.parametrize("variant", list(WY_VARIANTS))
 @pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 options"])
-def test_batched_diagonal_inverse(case):
-    """``LaunchConfig(wy_batched_inverse=True)``: the four diagonal 16x16 inverses in one substitution."""
-    cfg, cu, opts = LaunchConfig(wy_batched_inverse=True), None, NO_OPTIONS
+def test_inverse_variants(case, variant):
+    """``wy_batched_inverse``: the four diagonal 16x16 inverses in one substitution; ``wy_split``: the inverse in a
+    launch of its own (with ``inv_warps`` warps), the WY products in a second."""
+    cfg, cu, opts = WY_VARIANTS[variant], None, NO_OPTIONS
     if case == "extreme gates":
         x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=40)
         bar = 1e-4
@@ -140,7 +147,7 @@ def test_no_initial_state_no_final_state_odd_widths():
 
 
 @pytest.mark.parametrize("field, value", [("scores_warps", 2), ("o_warps", 1), ("store", "half"),
-                                          ("bwd_intra_prec", "bf16")])
+                                          ("bwd_intra_prec", "bf16"), ("inv_warps", 3)])
 def test_launch_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
         LaunchConfig(**{field: value})

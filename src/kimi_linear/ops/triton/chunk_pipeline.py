@@ -55,6 +55,11 @@ class LaunchConfig:
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_batched_inverse: bool = False  # the four diagonal 16x16 inverses as one [4, 16, 16] substitution
+    # The inverse in a launch of its own with inv_warps warps (its tiles are [16, 16]: one warp holds 8 elements a
+    # thread, four hold 2 and synchronise for every sum), the WY products in a second. Interpreter-tested, not yet
+    # GPU-timed; launches of fewer than 4 warps faulted before (see __post_init__), so try them last
+    wy_split: bool = False
+    inv_warps: int = 4
     h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
     h_warps: int = 4
     h_stages: int = 2
@@ -84,6 +89,8 @@ class LaunchConfig:
             if getattr(self, name) < 4:
                 raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
                                  "faulted on the H200")
+        if self.inv_warps not in (1, 2, 4, 8):
+            raise ValueError(f"LaunchConfig.inv_warps must be 1, 2, 4 or 8, got {self.inv_warps}")
         if self.store not in ("input", "float32"):
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
@@ -202,8 +209,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     wy = dict(v=v, beta=beta, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-              NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse, num_warps=cfg.wy_warps,
-              **reg_cap(cfg.wy_regs))
+              NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse)
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     for separable in (True, False):
@@ -212,7 +218,13 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
             num_warps=cfg.scores_warps,
             num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
         )
-    chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, **wy, **shared)
+    if cfg.wy_split:
+        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
+        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=2, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs), **wy,
+                                          **shared)
+    else:
+        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=0, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs), **wy,
+                                          **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None

@@ -211,13 +211,11 @@ def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_
 
 
 @triton.jit
-def wy_factors(
-    q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
+def inverse_blocks(
+    beta, Akk, Tm, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
 ):
-    """The inverse and the WY factors of the chunk at t0 (flat chunk index i_c) from its Akk rows in memory."""
+    """``Tm = (I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, stored (all [BT, BT])."""
     tl.static_assert(BT == 4 * BC)
     o_j = tl.arange(0, BC)
 
@@ -270,9 +268,16 @@ def wy_factors(
     store_rows(Tm, b_T31, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, BC + o_j, BC)
     store_rows(Tm, b_T32, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, 2 * BC + o_j, BC)
     store_rows(Tm, b_T33, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, 3 * BC + o_j, BC)
-    # The same program reads the inverse back as one tile: make every thread's stores visible first.
-    tl.debug_barrier()
 
+
+@triton.jit
+def wy_products(
+    q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``Tm`` in memory."""
     o_t = tl.arange(0, BT)
     # rounded to tf32 once for the eight products below (mm would round it again for each)
     b_T = tf32_operand(load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT), PREC)   # [BT, BT]
@@ -305,9 +310,18 @@ def chunk_kda_fwd_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr, STAGE: tl.constexpr,
 ):
+    """The inverse (``STAGE`` 0 or 1) and the WY factors (``STAGE`` 0 or 2): one kernel by default, or two launches
+    (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, i_t * BT, T_n, i_hv // (HV // H),
-               i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, BATCHED_INVERSE)
+    t0 = i_t * BT
+    if STAGE != 2:
+        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, BATCHED_INVERSE)
+    if STAGE == 0:
+        # The same program reads the inverse back as one tile: make every thread's stores visible first.
+        tl.debug_barrier()
+    if STAGE != 1:
+        wy_products(q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+                    H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
