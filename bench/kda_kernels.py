@@ -613,7 +613,8 @@ SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True
 SWEEP_FEW_WARPS = [dict(wy_split=True, inv_warps=2), dict(wy_split=True, inv_warps=1)]
 SWEEP_BWD = [dict(), dict(bwd_intra_separable=True), dict(bwd_intra_separable=True, bwd_sep_warps=8),
              dict(bwd_intra_separable=True, bwd_sep_bk=16), dict(bwd_intra_separable=True, scores_midpoint=True),
-             dict(bwd_intra_prec="tf32")]
+             dict(bwd_inter_warps=8), dict(bwd_inter_warps=8, bwd_intra_separable=True, bwd_sep_warps=8,
+                                           scores_midpoint=True), dict(bwd_intra_prec="tf32")]
 
 
 def sweep_configs(fla_chunk) -> None:

@@ -68,6 +68,9 @@ class LaunchConfig:
     o_warps: int = 4
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
     bwd_warps: int = 4
+    # warps of the inter kernel alone (0: bwd_warps). Sweeps of 2026-12-01 timed it at 3.2 ms with 8 against 4.4
+    # with 4 (inside bwd_warps=8 rows, which slowed other kernels); not yet rechecked since the tf32 rounding change
+    bwd_inter_warps: int = 0
     bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
     bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
     # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
@@ -322,7 +325,7 @@ def chunk_kda_bwd_pipeline(
         q=q, k=k, beta=beta, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), Tm=x.Tm, h=x.h, dh=dh, vn=x.vn, dvn=dvn,
         do=do, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, dT_p=dT_p, **p.varlen(), scale=scale, T=T,
         NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb, BV=BVb, **flags,
-        **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
+        **beta_flags, PREC=p.prec, num_warps=cfg.bwd_inter_warps or cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
