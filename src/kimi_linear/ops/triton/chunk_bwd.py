@@ -16,7 +16,8 @@ The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-
   dAqk = scale do vn^T (lower triangle with the diagonal).
 - :func:`chunk_kda_bwd_intra_kernel` (chunk and 16-row sub-block, key block, value head): the score matrices'
   gradients into q_hat, k_hat and G, with the same overflow-free factorisations as the forward scores (every
-  earlier column in one product, every later row in one product).
+  earlier column in one product, every later row in one product); optionally (``LaunchConfig(
+  bwd_intra_separable=True)``) the separable chunks whole, in four products, by a second launch of it.
 - :func:`chunk_kda_bwd_gate_kernel` (chunk, key block, value head): dg = the reverse cumulative sum of dG inside the
   chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
 - :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
@@ -213,24 +214,34 @@ def chunk_kda_bwd_intra_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    SKIP_SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr,
+    PATH: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
-    """One program per (chunk and sub-block S, key block, value head): the rows of S. Sub-blocks run in parallel;
-    the reverse cumulative sum of dG across them is :func:`chunk_kda_bwd_gate_kernel`'s. With ``SKIP_SEPARABLE``
-    the chunks :func:`chunk_separable` accepts are left to :func:`chunk_kda_bwd_intra_separable_kernel`."""
+    """The score matrices' gradients, per (key block, value head) and ``PATH``: 0, one program per chunk and
+    sub-block S for every chunk (the rows of S, :func:`sub_block_grads`); 1, one program per chunk for the chunks
+    :func:`chunk_separable` accepts (:func:`separable_grads`); 2, as 0 for the other chunks. Sub-blocks run in
+    parallel; the reverse cumulative sum of dG across them is :func:`chunk_kda_bwd_gate_kernel`'s."""
     NC: tl.constexpr = BT // BC
     i_cs, i_k, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_c, S = i_cs // NC, i_cs % NC
+    if PATH == 1:
+        i_c, S = i_cs, 0
+    else:
+        i_c, S = i_cs // NC, i_cs % NC
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if SKIP_SEPARABLE:
-        if not chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC, MIDPOINT):
-            sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
-                            H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
-    else:
+    if PATH == 0:
         sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
                         H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+    else:
+        sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC, MIDPOINT)
+        if PATH == 1:
+            if sep:
+                separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
+                                H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC, MIDPOINT)
+        else:
+            if not sep:
+                sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
+                                H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
 @triton.jit
@@ -299,18 +310,13 @@ def load_lower(p, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, DIAGON
 
 
 @triton.jit
-def chunk_kda_bwd_intra_separable_kernel(
-    q, k, gP, rq, rk,                 # inputs and the recomputed gate sums / norms
-    dAqk, dAkk,                       # [B, T, HV, BT] f32 from the WY kernel
-    dq_p, dk_p, dg_p,                 # in: the inter kernel's parts; out: the totals per value head (dg_p: dG)
-    cu_seqlens, chunk_indices,
-    T, NT,
+def separable_grads(
+    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    MIDPOINT: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
-    """The score gradients of a chunk :func:`chunk_separable` accepts, one program per (chunk, key block, value
-    head), all 64 rows at once. With ``D = G - R`` (chunk_common.separable_exponent) and ``E = exp(D)``,
+    """The score gradients of a chunk :func:`chunk_separable` accepts, all 64 rows (key block i_k)
+    at once. With ``D = G - R`` (chunk_common.separable_exponent) and ``E = exp(D)``,
     Aqk = (q E)(k / E)^T and Akk = (k E)(k / E)^T on and below the diagonal, so
 
         dq = E (dAqk (k / E))    dk = E (dAkk (k / E)) + (dAqk^T (q E) + dAkk^T (k E)) / E
@@ -318,34 +324,29 @@ def chunk_kda_bwd_intra_separable_kernel(
     and d/dG of each score is the score itself on its row and minus it on its column: dG = q dq + k (dk_rows -
     dk_columns). Four [BT, BT] x [BT, BK] products; the dropped entries above the diagonal are zero in dA, so the
     large factors of far columns never meet them."""
-    i_c, i_k, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    t0 = i_t * BT
-    if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC, MIDPOINT):
-        o_k = i_k * BK + tl.arange(0, BK)
-        o_t = tl.arange(0, BT)
-        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, (o_t // BC)[:, None], BT, BC,
-                                 MIDPOINT)                                  # [BT, BK]
-        b_E = fast_exp(b_D)
-        b_iE = fast_exp(-b_D)
-        b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BK]
-        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
-        # rows (dq, dk from Akk's rows), then columns (dk from both matrices' columns), dA loaded for each: the
-        # two phases never hold more than two [BT, BT] tiles
-        b_kc = b_k * b_iE                                                   # [BT, BK] the columns' operand
-        b_dq = mm(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, True), b_kc, PREC) * b_E
-        b_dk = mm(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), b_kc, PREC) * b_E
-        b_dG = b_q * b_dq + b_k * b_dk + load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(dq_p, b_dq + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT), bos, t0, T_n, i_hv, HV, K, o_k,
-                   BT)
-        b_dkc = mm(tl.trans(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, True)), b_q * b_E, PREC)
-        b_dkc = (b_dkc + mm(tl.trans(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False)), b_k * b_E, PREC)) * b_iE
-        b_dG -= b_k * b_dkc
-        store_rows(dk_p, b_dk + b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT), bos, t0, T_n, i_hv, HV,
-                   K, o_k, BT)
-        store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_t = tl.arange(0, BT)
+    b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, (o_t // BC)[:, None], BT, BC,
+                             MIDPOINT)                                  # [BT, BK]
+    b_E = fast_exp(b_D)
+    b_iE = fast_exp(-b_D)
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2
+    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BK]
+    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
+    # rows (dq, dk from Akk's rows), then columns (dk from both matrices' columns), dA loaded for each: the
+    # two phases never hold more than two [BT, BT] tiles
+    b_kc = b_k * b_iE                                                   # [BT, BK] the columns' operand
+    b_dq = mm(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, True), b_kc, PREC) * b_E
+    b_dk = mm(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), b_kc, PREC) * b_E
+    b_dG = b_q * b_dq + b_k * b_dk + load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dq_p, b_dq + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT), bos, t0, T_n, i_hv, HV, K, o_k,
+               BT)
+    b_dkc = mm(tl.trans(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, True)), b_q * b_E, PREC)
+    b_dkc = (b_dkc + mm(tl.trans(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False)), b_k * b_E, PREC)) * b_iE
+    b_dG -= b_k * b_dkc
+    store_rows(dk_p, b_dk + b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT), bos, t0, T_n, i_hv, HV,
+               K, o_k, BT)
+    store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 
 @triton.jit

@@ -30,7 +30,6 @@ from .chunk_bwd import (
     chunk_kda_bwd_gate_kernel,
     chunk_kda_bwd_inter_kernel,
     chunk_kda_bwd_intra_kernel,
-    chunk_kda_bwd_intra_separable_kernel,
     chunk_kda_bwd_qk_kernel,
     chunk_kda_bwd_wy_kernel,
 )
@@ -74,7 +73,7 @@ class LaunchConfig:
     bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
     bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
     # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
-    # [64, BK] products (chunk_bwd.chunk_kda_bwd_intra_separable_kernel); interpreter-tested, not yet GPU-timed
+    # [64, BK] products (chunk_bwd.separable_grads); interpreter-tested, not yet GPU-timed
     bwd_intra_separable: bool = False
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
@@ -342,10 +341,10 @@ def chunk_kda_bwd_pipeline(
                  PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     if cfg.bwd_intra_separable:
         BKs = min(cfg.bwd_sep_bk, p.BK)
-        chunk_kda_bwd_intra_separable_kernel[(NT, triton.cdiv(K, BKs), HV)](
-            **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
-    chunk_kda_bwd_intra_kernel[(NT * (BT // BC), triton.cdiv(K, BKi), HV)](
-        SKIP_SEPARABLE=cfg.bwd_intra_separable, **intra)
+        chunk_kda_bwd_intra_kernel[(NT, triton.cdiv(K, BKs), HV)](
+            PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
+    chunk_kda_bwd_intra_kernel[(NT * (BT // BC), triton.cdiv(K, BKi), HV)](PATH=2 if cfg.bwd_intra_separable else 0,
+                                                                         **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
