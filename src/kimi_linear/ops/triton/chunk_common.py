@@ -259,6 +259,12 @@ def earlier_factor(b_P, b_t0, b_t1, b_t2, I, BT: tl.constexpr, BC: tl.constexpr)
 
 
 @triton.jit
+def first_gate(gP, bos, t0, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k):
+    """``G_0`` of the chunk at t0 (its first row's gate, which starts sub-block 0's sum) at channels o_k."""
+    return tl.load(gP + ((bos + t0) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
+
+
+@triton.jit
 def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
                     MIDPOINT: tl.constexpr):
     """Whether the chunk at t0 is *separable*: ``exp(G_i - G_j) = exp(D_i) exp(-D_j)`` with ``D = G - R`` and both
@@ -272,8 +278,7 @@ def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, B
     b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
     b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
     if MIDPOINT:
-        b_first = tl.load(gP + ((bos + t0) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)     # [BK] G_0
-        return tl.max(b_first - (b_t0 + b_t1 + b_t2 + b_t3)) < 2.0 * HALF_LIMIT
+        return tl.max(first_gate(gP, bos, t0, i_hv, HV, K, o_k) - (b_t0 + b_t1 + b_t2 + b_t3)) < 2.0 * HALF_LIMIT
     return tl.max(tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3))) < HALF_LIMIT
 
 
@@ -283,16 +288,12 @@ def separable_exponent(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
     """``D = G - R`` (see :func:`chunk_separable`) on the chunk at t0, channels o_k ([BT, len(o_k)]), from the
     sub-block sums. ``R = G_31``: gP plus tot_2 below sub-block 2; minus tot_1 (and tot_0) above row 32. With
     ``MIDPOINT``, ``R = (G_0 + G_last) / 2``. ``s_r``: [BT, 1], the sub-block of each row."""
+    if MIDPOINT:
+        b_G, b_unused, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS]
+        return b_G - (0.5 * (first_gate(gP, bos, t0, i_hv, HV, K, o_k) + b_GC))[None, :]
     b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BKS]
     b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
     b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-    if MIDPOINT:
-        b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
-        b_first = tl.load(gP + ((bos + t0) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)     # [BKS] G_0
-        b_R = 0.5 * (b_first + (b_t0 + b_t1 + b_t2 + b_t3))                  # [BKS]
-        b_before = (tl.where(s_r >= 1, b_t0[None, :], 0.0) + tl.where(s_r >= 2, b_t1[None, :], 0.0)
-                    + tl.where(s_r >= 3, b_t2[None, :], 0.0))                # [BT, BKS] G_r, r before the block
-        return (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT) + b_before) - b_R[None, :]
     return (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
             + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
             - tl.where(s_r == 0, b_t0[None, :], 0.0))

@@ -217,8 +217,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     for separable in (True, False):
         chunk_kda_fwd_scores_kernel[(NT, HV)](
             Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
-            num_warps=cfg.scores_warps,
-            num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
+            num_warps=cfg.scores_warps, num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
         )
     if cfg.wy_split:
         chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
