@@ -50,7 +50,12 @@ import kimi_linear.ops as kops  # noqa: E402
 import kimi_linear.ops.triton.chunk as tri_chunk  # noqa: E402
 from kimi_linear.ops.gate import KernelOptions  # noqa: E402
 from kimi_linear.ops.triton.chunk import ChunkKDAFunction, chunk_kda_fwd  # noqa: E402
-from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG, LaunchConfig, chunk_kda_bwd_pipeline  # noqa: E402
+from kimi_linear.ops.triton.chunk_pipeline import (  # noqa: E402
+    DEFAULT_CONFIG,
+    LaunchConfig,
+    chunk_kda_bwd_pipeline,
+    chunk_kda_fwd_keeping,
+)
 from kimi_linear.ops.triton.recurrent import fused_recurrent_kda as tri_recurrent  # noqa: E402
 
 
@@ -606,15 +611,12 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(wy_batched_inverse=True), dict(wy_batched_inverse=True, wy_regs=200),
-             dict(scores_midpoint=True), dict(scores_midpoint=True, wy_batched_inverse=True), dict(wy_split=True),
-             dict(wy_split=True, wy_batched_inverse=True, wy_regs=0)]
+SWEEP_FWD = [dict(), dict(wy_batched_inverse=False), dict(h_bv=32)]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
-SWEEP_FEW_WARPS = [dict(wy_split=True, inv_warps=2), dict(wy_split=True, inv_warps=1)]
-SWEEP_BWD = [dict(), dict(bwd_intra_separable=True), dict(bwd_intra_separable=True, bwd_sep_warps=8),
-             dict(bwd_intra_separable=True, bwd_sep_bk=16), dict(bwd_intra_separable=True, scores_midpoint=True),
-             dict(bwd_inter_warps=8), dict(bwd_inter_warps=8, bwd_intra_separable=True, bwd_sep_warps=8,
-                                           scores_midpoint=True), dict(bwd_intra_prec="tf32")]
+SWEEP_FEW_WARPS = [("bwd", dict(bwd_intra_bk=32, bwd_intra_warps=2, bwd_intra_prec="tf32")),
+                   ("bwd", dict(bwd_intra_bk=16, bwd_intra_warps=1, bwd_intra_prec="tf32")),
+                   ("bwd", dict(bwd_intra_bk=32, bwd_intra_warps=2))]
+SWEEP_BWD = [dict(), dict(keep_scores=False), dict(bwd_inter_warps=8), dict(bwd_intra_prec="tf32")]
 
 
 def sweep_configs(fla_chunk) -> None:
@@ -629,10 +631,13 @@ def sweep_configs(fla_chunk) -> None:
         return chunk_kda_fwd(*args5(x), S.D ** -0.5, None, True, o_opts, None, cfg)[0]
 
     def bwd(cfg):
-        return chunk_kda_bwd_pipeline(*args5(x), S.D ** -0.5, None, o_opts, None, do, None, cfg)
+        # as in training: from what the forward kept (unless the row turns keep_scores off); that forward untimed
+        kept = chunk_kda_fwd_keeping(*args5(x), S.D ** -0.5, None, True, o_opts, None, cfg)[2] if cfg.keep_scores \
+            else None
+        return lambda: chunk_kda_bwd_pipeline(*args5(x), S.D ** -0.5, None, o_opts, None, do, None, cfg, kept)
 
     o_ref = fwd(BASE)
-    g_ref = bwd(BASE)
+    g_ref = bwd(BASE)()
 
     def run(kind, fields):
         if over_budget():
@@ -644,10 +649,11 @@ def sweep_configs(fla_chunk) -> None:
                 if kind == "fwd":
                     err = f"o err {rel(fwd(cfg), o_ref):.1e}"
                 else:
-                    r = bwd(cfg)
+                    run_bwd = bwd(cfg)
+                    r = run_bwd()
                     err = ", ".join(f"d{n} err {rel(getattr(r, 'd' + n), getattr(g_ref, 'd' + n)):.1e}"
                                     for n in ("q", "k", "v", "g", "beta"))
-            rows = kernel_times((lambda: fwd(cfg)) if kind == "fwd" else (lambda: bwd(cfg)))
+            rows = kernel_times((lambda: fwd(cfg)) if kind == "fwd" else run_bwd)
             say(f"  sweep {kind} {fields}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
                 f"{name.replace('chunk_kda_', '')[:28]} {ms:.3f}" for name, ms, n in rows[:10]) + f"; {err}")
         except Exception as e:  # noqa: BLE001 - one failing shape must not lose the others
@@ -668,8 +674,8 @@ def sweep_configs(fla_chunk) -> None:
                 say(f"  fla {'safe_gate' if lb else 'softplus'} {what}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
                     f"{name[:40]} {ms:.3f} x{n}" for name, ms, n in rows[:16]))
                 save()
-    for fields in SWEEP_FEW_WARPS:                  # last: a fault here takes the process down
-        run("fwd", fields)
+    for kind, fields in SWEEP_FEW_WARPS:            # last: a fault here takes the process down
+        run(kind, fields)
 
 
 # ------------------------------------------------------------------------------------------------- offline sm_90 build

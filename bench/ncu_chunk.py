@@ -3,6 +3,10 @@
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats python3 bench/ncu_chunk.py [--B 16 --T 2048] [--no-fla]
 
+``--backward`` profiles our backward pipeline instead of the forward. Per-instruction stall samples of one
+kernel (SASS, where its time goes): ``--section SourceCounters --kernel-name regex:fwd_wy --launch-count 1 -o R``,
+then ``ncu -i R.ncu-rep --page source --csv --print-source sass`` (bench/ncu_hotspots.py sums them by region).
+
 Every kernel launched between ``cudaProfilerStart`` and ``cudaProfilerStop`` is profiled: ours (prepare, scores,
 WY, state scan, output) then fla's (with its autotuning already done in the warm-up). Shapes as in
 bench/kda_kernels.py (bf16, H=32, K=V=128, l2norm, softplus gate and beta sigmoid in kernel).
@@ -18,7 +22,7 @@ import torch
 
 from kimi_linear.ops.gate import KernelOptions
 from kimi_linear.ops.triton.chunk import chunk_kda_fwd
-from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG
+from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG, chunk_kda_bwd_pipeline
 
 
 def main() -> int:
@@ -27,7 +31,10 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--no-fla", action="store_true", help="profile ours only")
     ap.add_argument("--lower-bound", action="store_true", help="the lower_bound=-5 gate (fla: safe_gate) for both")
-    ap.add_argument("--config", default="{}", help="LaunchConfig fields as JSON, e.g. '{\"wy_batched_inverse\": true}'")
+    ap.add_argument("--backward", action="store_true",
+                    help="ours: the pipeline backward (recomputing every forward piece)")
+    ap.add_argument("--config", default="{}",
+                    help="LaunchConfig fields as JSON, e.g. '{\"wy_batched_inverse\": false}'")
     a = ap.parse_args()
     cfg = replace(DEFAULT_CONFIG, **json.loads(a.config))
     H, D = 32, 128
@@ -41,6 +48,10 @@ def main() -> int:
               A_log=A_log, dt_bias=dt_bias)
     ours = lambda: chunk_kda_fwd(q, k, v, g, beta, D ** -0.5, None, True, KernelOptions(lower_bound=lb, **kw),
                                  None, cfg)
+    if a.backward:
+        do = rnd(a.B, a.T, H, D).bfloat16()
+        ours = lambda: chunk_kda_bwd_pipeline(q, k, v, g, beta, D ** -0.5, None, KernelOptions(lower_bound=lb, **kw),
+                                              None, do, None, cfg)
     fla = None
     if not a.no_fla:
         from fla.ops.kda import chunk_kda

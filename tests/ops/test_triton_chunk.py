@@ -82,19 +82,28 @@ def test_separable_and_sub_block_score_paths_side_by_side(dtype):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
-WY_VARIANTS = {"batched inverse": LaunchConfig(wy_batched_inverse=True),
-               "split, 1 warp": LaunchConfig(wy_split=True, inv_warps=1),
-               "split, 2 warps, batched": LaunchConfig(wy_split=True, inv_warps=2, wy_batched_inverse=True)}
+WY_VARIANTS = {"per-block inverse": LaunchConfig(wy_batched_inverse=False),
+               "split, 1 warp, per block": LaunchConfig(wy_split=True, inv_warps=1, wy_batched_inverse=False),
+               "split, 2 warps": LaunchConfig(wy_split=True, inv_warps=2)}
 
 
 @pytest.mark.parametrize("variant", list(WY_VARIANTS))
-@pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 options"])
+@pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 options", "repeated keys, no decay"])
 def test_inverse_variants(case, variant):
-    """``wy_batched_inverse``: the four diagonal 16x16 inverses in one substitution; ``wy_split``: the inverse in a
-    launch of its own (with ``inv_warps`` warps), the WY products in a second."""
+    """``wy_batched_inverse=False``: the four diagonal 16x16 inverses one after another (the default batches them,
+    tested everywhere else); ``wy_split``: the inverse in a launch of its own (with ``inv_warps`` warps), the WY
+    products in a second."""
     cfg, cu, opts = WY_VARIANTS[variant], None, NO_OPTIONS
     if case == "extreme gates":
         x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=40)
+        bar = 1e-4
+    elif case == "repeated keys, no decay":
+        # every key of a chunk the same, beta near 1 and no decay: A is near the all-ones strictly lower matrix,
+        # whose inverse (near the bidiagonal [1, -1]) sums long alternating paths (the worst case for cancellation)
+        x = make_inputs(B=1, T=130, H=1, K=32, V=16, seed=43)
+        x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
+        x["g"] = torch.zeros_like(x["g"])
+        x["beta"] = torch.full_like(x["beta"], 0.99)
         bar = 1e-4
     else:
         cu = torch.tensor([0, 1, 1, 70, 71, 90])

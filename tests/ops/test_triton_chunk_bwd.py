@@ -153,3 +153,26 @@ def test_separable_score_gradients(case, midpoint, monkeypatch):
     else:
         check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, dtype=torch.bfloat16, seed=52), bar=2e-2,
               cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("case", ["bf16 options", "varlen float32"])
+def test_kept_and_recomputed_scores(case, keep, monkeypatch):
+    """``LaunchConfig(keep_scores=...)``: the backward from the forward's kept Aqk, Akk, inverse and l2norm factors
+    (the default), or recomputing them; both against the reference, and the kept tensors are really saved."""
+    import kimi_linear.ops.triton.chunk as tri_chunk
+    from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
+
+    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(keep_scores=keep))
+    if case == "bf16 options":
+        x = make_inputs(B=1, T=70, H=1, HV=2, K=32, V=32, raw=True, dtype=torch.bfloat16, seed=54)
+        opts, params = gate_opts(2, 32)
+        check(x, opts, params, bar=2e-2)
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items() if t is not None}
+        o, _ = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                         initial_state=leaves["initial_state"], **opts.kwargs())
+        saved = [t for t in o.grad_fn.saved_tensors if t is not None]
+        # q k v g beta h0 A_log dt_bias (+ Aqk Akk Tm rq rk when kept)
+        assert len(saved) == (13 if keep else 8)
+    else:
+        check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, seed=55), cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))

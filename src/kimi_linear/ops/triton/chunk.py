@@ -4,8 +4,9 @@ Forward: five small kernels with bounded register use (chunk_pipeline.py: gate s
 scan, output). The first Triton forward (one large intra-chunk kernel plus a scan) was 2.8x slower on the H200 and
 spilled registers on sm_90; it was removed once the pipeline had been checked and timed there (BENCHMARKS.md).
 
-Backward (:class:`ChunkKDAFunction`): the pipeline's Triton backward, which recomputes the forward's intermediates
-(nothing per chunk is held between forward and backward); with ``KIMI_LINEAR_CHUNK_BWD=torch``, the PyTorch
+Backward (:class:`ChunkKDAFunction`): the pipeline's Triton backward, with the forward's score matrices and inverse
+kept (``LaunchConfig.keep_scores``, as fla keeps its own) and the rest recomputed (per-chunk states are never held
+between forward and backward); with ``KIMI_LINEAR_CHUNK_BWD=torch``, the PyTorch
 chunkwise path, recomputed and differentiated (the reference and the fallback).
 """
 
@@ -18,7 +19,7 @@ import torch
 from ..checks import KDAShape, check_gate_params
 from ..chunk import delta_rule_chunked
 from ..gate import KernelOptions
-from .chunk_pipeline import DEFAULT_CONFIG, chunk_kda_bwd_pipeline
+from .chunk_pipeline import DEFAULT_CONFIG, Kept, chunk_kda_bwd_pipeline, chunk_kda_fwd_keeping
 from .chunk_pipeline import chunk_kda_fwd_pipeline as chunk_kda_fwd  # the forward, on contiguous inputs
 
 
@@ -36,8 +37,13 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, scale, output_final_state, opts, cu_seqlens,
                 cfg):
-        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+        o, ht, kept = chunk_kda_fwd_keeping(q, k, v, g, beta, scale, initial_state, output_final_state, opts,
+                                            cu_seqlens, cfg)
+        if not cfg.keep_scores or default_backward() != "triton":
+            kept = None
+        ctx.has_kept = kept is not None
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                              *((kept.Aqk, kept.Akk, kept.Tm, kept.rq, kept.rk) if kept is not None else ()))
         ctx.scale, ctx.opts, ctx.cfg = scale, opts, cfg
         return o, ht
 
@@ -52,19 +58,20 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def _triton_backward(ctx, do, dht):
-        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *kept = ctx.saved_tensors
+        kept = Kept(*kept) if ctx.has_kept else None
         opts = ctx.opts
         if opts.use_gate_in_kernel:                                # the saved (autograd-tracked) parameters
             opts = KernelOptions(opts.use_qk_l2norm_in_kernel, True, opts.use_beta_sigmoid_in_kernel,
                                  opts.allow_neg_eigval, A_log, dt_bias, opts.lower_bound)
         r = chunk_kda_bwd_pipeline(q, k, v, g, beta, ctx.scale, h0, opts, cu_seqlens, do.contiguous(),
-                                   None if dht is None else dht.float().contiguous(), ctx.cfg)
+                                   None if dht is None else dht.float().contiguous(), ctx.cfg, kept)
         dh0 = None if r.dh0 is None else r.dh0.to(h0.dtype)
         return [r.dq, r.dk, r.dv, r.dg, r.dbeta, dh0, r.dA_log, r.ddt_bias]
 
     @staticmethod
     def _recompute_backward(ctx, do, dht):
-        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens = ctx.saved_tensors[:9]
         leaves = [x.detach().requires_grad_(need) if x is not None else None
                   for x, need in zip((q, k, v, g, beta, h0, A_log, dt_bias), ctx.needs_input_grad[:8])]
         with torch.enable_grad():

@@ -225,14 +225,20 @@ def load_norms(rq, rk, bos, r0, T_n, i_h, H: tl.constexpr, BR: tl.constexpr, USE
 
 
 @triton.jit
-def load_beta(beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BR: tl.constexpr, USE_SIGMOID: tl.constexpr,
-              NEG_EIGVAL: tl.constexpr):
-    """beta of rows r0 .. r0 + BR after the in-kernel transform, float32, zero past T_n."""
-    b_b = load_row_scalars(beta, bos, r0, T_n, i_hv, HV, BR)
+def beta_transform(b_b, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """The in-kernel beta transform of float32 logits (sigmoid, doubled for negative eigenvalues), or as is."""
     if USE_SIGMOID:
         b_b = tl.sigmoid(b_b)
         if NEG_EIGVAL:
             b_b = 2.0 * b_b
+    return b_b
+
+
+@triton.jit
+def load_beta(beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BR: tl.constexpr, USE_SIGMOID: tl.constexpr,
+              NEG_EIGVAL: tl.constexpr):
+    """beta of rows r0 .. r0 + BR after the in-kernel transform, float32, zero past T_n."""
+    b_b = beta_transform(load_row_scalars(beta, bos, r0, T_n, i_hv, HV, BR), USE_SIGMOID, NEG_EIGVAL)
     return tl.where(r0 + tl.arange(0, BR) < T_n, b_b, 0.0)
 
 
@@ -350,11 +356,8 @@ def diagonal_block_inverse(Akk, beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BT: 
         m_r = (r + o_i * 0) < T_n                                          # [BC] (a vector: the interpreter wants one)
         b_a = tl.load(Akk + ((bos + r) * HV + i_hv) * BT + c0 + o_i, mask=(o_i < i) & m_r, other=0.0)   # [BC]
         # beta_i as a [BC] broadcast (one address: a single transaction)
-        b_b = tl.load(beta + (bos + r) * HV + i_hv + o_i * 0, mask=m_r, other=0.0).to(tl.float32)
-        if USE_BETA_SIGMOID:
-            b_b = tl.sigmoid(b_b)
-            if NEG_EIGVAL:
-                b_b = 2.0 * b_b
+        b_b = beta_transform(tl.load(beta + (bos + r) * HV + i_hv + o_i * 0, mask=m_r, other=0.0).to(tl.float32),
+                             USE_BETA_SIGMOID, NEG_EIGVAL)
         b_row = -b_b * tl.sum(b_Tt * b_a[None, :], 1)                      # [BC] row i (no diagonal yet)
         b_Tt = tl.where((o_i == i)[None, :], b_row[:, None] + tl.where(o_i == i, 1.0, 0.0)[:, None], b_Tt)
     return tl.trans(b_Tt)

@@ -8,7 +8,8 @@ Forward (SPEC section 2), each kernel with a bounded working set:
     (e) chunk_state.py    the state scan: h per chunk, vn = u - w h, final state
     (f) chunk_state.py    o = scale (qg h + Aqk vn)
 
-Backward: recompute (a)-(e) (nothing per chunk is kept between forward and backward), the reverse state scan
+Backward: recompute (a)-(e) (in training, :class:`Kept`: the forward's score matrices and inverse are kept, as fla
+keeps its own, so (b) and (c) are skipped; the per-chunk states are never kept), the reverse state scan
 (chunk_state.py), then five per-chunk kernels (chunk_bwd.py): products with the states and the WY factors' key side,
 the inverse and value side, the score matrices (per 16-row sub-block; optionally separable chunks whole), the gate's
 cumulative sum and formula, and q/k (GVA sum, l2norm).
@@ -51,15 +52,22 @@ class LaunchConfig:
     # over a chunk instead of 80 over each half (every chunk of the softplus benchmark instead of 77%). Forward and
     # backward; interpreter-tested, not yet GPU-timed
     scores_midpoint: bool = False
+    # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
+    # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
+    # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
+    keep_scores: bool = True
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
-    wy_batched_inverse: bool = False  # the four diagonal 16x16 inverses as one [4, 16, 16] substitution
-    # The inverse in a launch of its own with inv_warps warps (its tiles are [16, 16]: one warp holds 8 elements a
-    # thread, four hold 2 and synchronise for every sum), the WY products in a second. Interpreter-tested, not yet
-    # GPU-timed; launches of fewer than 4 warps faulted before (see __post_init__), so try them last
+    # The four diagonal 16x16 blocks of the inverse in one [4, 16, 16] substitution (H200, 2026-12-01: WY kernel
+    # 1.75-1.76 ms against 2.10 for four [16, 16] ones in turn, False)
+    wy_batched_inverse: bool = True
+    # The inverse in a launch of its own with inv_warps warps, the WY products in a second. Slower on the H200
+    # (2026-12-01: 2.07 / 2.30 / 3.29 ms for both launches with 4 / 2 / 1 warps, against 2.10 in one)
     wy_split: bool = False
     inv_warps: int = 4
-    h_bv: int = 32                    # value columns per program of the state scans (forward and backward)
+    # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
+    # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
+    h_bv: int = 0
     h_warps: int = 4
     h_stages: int = 2
     o_bv: int = 64                    # value columns per program of the output kernel
@@ -67,13 +75,19 @@ class LaunchConfig:
     o_warps: int = 4
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
     bwd_warps: int = 4
-    # warps of the inter kernel alone (0: bwd_warps). Sweeps of 2026-12-01 timed it at 3.2 ms with 8 against 4.4
-    # with 4 (inside bwd_warps=8 rows, which slowed other kernels); not yet rechecked since the tf32 rounding change
-    bwd_inter_warps: int = 0
-    bwd_intra_bk: int = 64            # key channels per program of the score-gradient kernel
-    bwd_intra_prec: str = "tf32x3"    # 16-bit inputs: products of the score gradients (dg cancels row and column terms)
+    # warps of the inter kernel alone (0: bwd_warps): 8 timed 3.23 ms against 3.75 with 4 (H200, 2026-12-01), no
+    # spills (936 bytes of stack at 4)
+    bwd_inter_warps: int = 8
+    # The score-gradient kernel: key channels per program, warps (0: bwd_warps) and the products of 16-bit inputs.
+    # tf32 (operands rounded, tf32_round) with 32 channels and 2 warps timed 6.08 ms against 8.05 for tf32x3 with
+    # 64 and 4 (H200, 2026-12-01); the gradients then differ from tf32x3's by 1e-3 (dq, dk) and 5e-3 (dg), and
+    # from the float64 reference at full size by at most 4.4e-3 (dA_log 6.7e-3; bar 2e-2). float32 inputs: ieee
+    bwd_intra_bk: int = 32
+    bwd_intra_warps: int = 2
+    bwd_intra_prec: str = "tf32"
     # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
-    # [64, BK] products (chunk_bwd.separable_grads); interpreter-tested, not yet GPU-timed
+    # [64, BK] products (chunk_bwd.separable_grads). No faster on the H200 (2026-12-01, tf32x3: 7.9 ms with every
+    # chunk separable against 8.05 by sub-blocks)
     bwd_intra_separable: bool = False
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
@@ -123,6 +137,19 @@ def varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @dataclass
+class Kept:
+    """What the forward keeps for the backward with ``LaunchConfig(keep_scores=True)`` (as fla keeps its Aqk and
+    inverse): per token and value head the 64 scores Aqk (storage dtype), Akk and the inverse Tm (float32 each),
+    and the l2norm row factors. The backward then recomputes only gP, the WY factors and the states."""
+
+    Aqk: torch.Tensor
+    Akk: torch.Tensor
+    Tm: torch.Tensor
+    rq: torch.Tensor | None
+    rk: torch.Tensor | None
+
+
+@dataclass
 class Pieces:
     """What the forward kernels (a)-(e) produce; the backward recomputes them."""
 
@@ -161,13 +188,20 @@ class Problem:
         self.BVmax = max(16, triton.next_power_of_2(self.V))
         self.dtype, self.device = q.dtype, q.device
         half = q.dtype in (torch.bfloat16, torch.float16)
-        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands, except where row
-        # and column terms of the score gradients cancel into dg (the intra backward): there tf32x3.
+        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands (the score gradients:
+        # LaunchConfig.bwd_intra_prec).
         self.prec = "tf32" if half else "ieee"
         self.prec_exact = cfg.bwd_intra_prec if half else "ieee"
         self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
         self.opts, self.cfg = opts, cfg
+        self.h_bv = min(cfg.h_bv or self.auto_h_bv(), self.BVmax)
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+
+    def auto_h_bv(self) -> int:
+        """64 value columns per state-scan program when N * HV * V / 64 programs fill every SM twice, else 32 (the
+        scan is sequential over chunks: fewer, wider programs leave SMs idle for few long sequences)."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
+        return 64 if self.N * self.HV * triton.cdiv(self.V, 64) >= 2 * sms else 32
 
     def ptr(self, x):
         return self.dummy if x is None else x
@@ -189,47 +223,51 @@ class Problem:
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
-                   store_states: bool = True) -> Pieces:
-    """Kernels (a)-(e) on contiguous inputs."""
+                   store_states: bool = True, kept: Kept | None = None) -> Pieces:
+    """Kernels (a)-(e) on contiguous inputs; with ``kept`` (the backward, LaunchConfig.keep_scores) the score
+    matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
+    norms = use_l2 and kept is None                                    # the prepare kernel writes rq, rk
     gP = p.empty(B, T, HV, K)
-    rq = p.empty(B, T, H) if use_l2 else None
-    rk = p.empty(B, T, H) if use_l2 else None
+    rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
+    rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
     chunk_kda_prepare_kernel[(NT, HV)](
         q=q, k=k, g=g, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, num_warps=4,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=norms, num_warps=4,
     )
-    Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
-    Akk = p.empty(B, T, HV, BT)
-    Tm = p.empty(B, T, HV, BT)
+    if kept is None:
+        Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
+        Akk = p.empty(B, T, HV, BT)
+        Tm = p.empty(B, T, HV, BT)
+    else:
+        Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
     w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
     u = p.empty(B, T, HV, V, dtype=p.sdt)
     decay = p.empty(max(NT, 1), HV, K)
     bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
-    wy = dict(v=v, beta=beta, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
+    wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
               NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse)
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
-    for separable in (True, False):
-        chunk_kda_fwd_scores_kernel[(NT, HV)](
-            Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
-            num_warps=cfg.scores_warps, num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
-        )
-    if cfg.wy_split:
-        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
-        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=2, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs), **wy,
-                                          **shared)
-    else:
-        chunk_kda_fwd_wy_kernel[(NT, HV)](Akk=Akk, STAGE=0, num_warps=cfg.wy_warps, **reg_cap(cfg.wy_regs), **wy,
-                                          **shared)
+    if kept is None:
+        for separable in (True, False):
+            chunk_kda_fwd_scores_kernel[(NT, HV)](
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
+                num_warps=cfg.scores_warps, num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
+            )
+    if cfg.wy_split and kept is None:
+        chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse in memory
+    chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=2 if cfg.wy_split or kept is not None else 0, num_warps=cfg.wy_warps,
+                                      **reg_cap(cfg.wy_regs), **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
-    BV = min(cfg.h_bv, p.BVmax)
+    BV = p.h_bv
     chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV), p.N * HV)](
         w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), T=T,
@@ -258,6 +296,15 @@ def chunk_kda_fwd_pipeline(
     cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pipeline forward on contiguous inputs: (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
+    return chunk_kda_fwd_keeping(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg)[:2]
+
+
+def chunk_kda_fwd_keeping(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
+    cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor | None, Kept | None]:
+    """:func:`chunk_kda_fwd_pipeline` and what the backward may keep of it (:class:`Kept`; None when empty)."""
     p = Problem(q, v, cu_seqlens, opts, cfg)
     if p.T == 0 or p.NT == 0:
         o = torch.zeros(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
@@ -265,9 +312,9 @@ def chunk_kda_fwd_pipeline(
         if output_final_state:
             ht = initial_state.clone() if initial_state is not None else q.new_zeros(p.N, p.HV, p.K, p.V,
                                                                                      dtype=torch.float32)
-        return o, ht
+        return o, ht, None
     x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state)
-    return output(p, x, scale), x.ht
+    return output(p, x, scale), x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk)
 
 
 @dataclass
@@ -285,9 +332,10 @@ class Grads:
 def chunk_kda_bwd_pipeline(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, opts: KernelOptions, cu_seqlens: torch.Tensor | None,
-    do: torch.Tensor, dht: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
+    do: torch.Tensor, dht: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG, kept: Kept | None = None,
 ) -> Grads:
-    """Gradients of every input, in the inputs' dtypes (contiguous inputs; do, dht contiguous)."""
+    """Gradients of every input, in the inputs' dtypes (contiguous inputs; do, dht contiguous). ``kept``: what the
+    forward kept (:func:`chunk_kda_fwd_keeping`); without it the backward recomputes every forward piece."""
     p = Problem(q, v, cu_seqlens, opts, cfg)
     B, T, H, HV, K, V, NT = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT
     use_gate = opts.use_gate_in_kernel
@@ -297,12 +345,12 @@ def chunk_kda_bwd_pipeline(
         return Grads(zero(q), zero(k), zero(v), zero(g), zero(beta), dh0, zero(opts.A_log) if use_gate else None,
                      zero(opts.dt_bias) if use_gate else None)
     IS_VARLEN = p.cu_seqlens is not None
-    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state=False, store_states=True)
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state=False, store_states=True, kept=kept)
 
     dh = p.empty(NT, HV, K, V, dtype=p.sdt)
     dvn = p.empty(B, T, HV, V, dtype=p.sdt)
     dh0 = p.empty(p.N, HV, K, V)
-    BV = min(cfg.h_bv, p.BVmax)
+    BV = p.h_bv
     chunk_kda_bwd_dh_kernel[(triton.cdiv(V, BV), p.N * HV)](
         qg=x.qg, kg=x.kg, w=x.w, Aqk=x.Aqk, decay=x.decay, do=do, dh=dh, dvn=dvn, dht=p.ptr(dht), dh0=dh0,
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale, T=T,
@@ -337,7 +385,8 @@ def chunk_kda_bwd_pipeline(
     BKi = min(cfg.bwd_intra_bk, p.BK)
     intra = dict(q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p,
                  dg_p=dg_p, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, BKA=p.BK, **flags,
-                 PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
+                 PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps,
+                 **reg_cap(cfg.bwd_regs))
     if cfg.bwd_intra_separable:
         BKs = min(cfg.bwd_sep_bk, p.BK)
         chunk_kda_bwd_intra_kernel[(NT, triton.cdiv(K, BKs), HV)](

@@ -213,9 +213,10 @@ def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_
 @triton.jit
 def inverse_blocks(
     beta, Akk, Tm, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, BATCHED_INVERSE: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, BATCHED: tl.constexpr,
 ):
-    """``Tm = (I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, stored (all [BT, BT])."""
+    """``Tm = (I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, by 16x16 blocks, stored
+    (all [BT, BT])."""
     tl.static_assert(BT == 4 * BC)
     o_j = tl.arange(0, BC)
 
@@ -223,7 +224,7 @@ def inverse_blocks(
     b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
     b_b2 = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b3 = load_beta(beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    if BATCHED_INVERSE:                   # the four diagonal blocks in one [4, BC, BC] substitution
+    if BATCHED:                           # the four diagonal blocks in one [4, BC, BC] substitution
         b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
         b_T00 = block_of(b_T, 0)                                          # [BC, BC]
         b_T11 = block_of(b_T, 1)
@@ -272,15 +273,14 @@ def inverse_blocks(
 
 @triton.jit
 def wy_products(
-    q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``Tm`` in memory."""
-    o_t = tl.arange(0, BT)
+    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32)."""
     # rounded to tf32 once for the eight products below (mm would round it again for each)
-    b_T = tf32_operand(load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, o_t, BT), PREC)   # [BT, BT]
+    b_T = tf32_operand(b_T, PREC)                                          # [BT, BT]
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
@@ -313,7 +313,8 @@ def chunk_kda_fwd_wy_kernel(
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr, STAGE: tl.constexpr,
 ):
     """The inverse (``STAGE`` 0 or 1) and the WY factors (``STAGE`` 0 or 2): one kernel by default, or two launches
-    (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps."""
+    (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps; ``STAGE`` 2
+    alone: the WY factors from an inverse kept from the forward (the backward's recomputation)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
@@ -323,5 +324,6 @@ def chunk_kda_fwd_wy_kernel(
         # The same program reads the inverse back as one tile: make every thread's stores visible first.
         tl.debug_barrier()
     if STAGE != 1:
-        wy_products(q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+        b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
+        wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                     H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
