@@ -611,20 +611,23 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(wy_batched_inverse=False), dict(h_bv=32)]
+SWEEP_FWD = [dict(), dict(h_stages=2), dict(h_stages=3), dict(h_bv=32), dict(h_bv=64)]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
-SWEEP_FEW_WARPS = [("bwd", dict(bwd_intra_bk=32, bwd_intra_warps=2, bwd_intra_prec="tf32")),
-                   ("bwd", dict(bwd_intra_bk=16, bwd_intra_warps=1, bwd_intra_prec="tf32")),
-                   ("bwd", dict(bwd_intra_bk=32, bwd_intra_warps=2))]
-SWEEP_BWD = [dict(), dict(keep_scores=False), dict(bwd_inter_warps=8), dict(bwd_intra_prec="tf32")]
+SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
+SWEEP_BWD = [dict(), dict(keep_scores=False), dict(h_stages=2), dict(h_stages=3)]
 
 
-def sweep_configs(fla_chunk) -> None:
-    """Per-kernel times (CUDA profiler, 16 x 2048, softplus gate) of the forward kernels under SWEEP_FWD and of
-    the backward under SWEEP_BWD, each output checked against the default config's; then fla's own kernels."""
+def sweep_configs(fla_chunk, case: str = "") -> None:
+    """Per-kernel times (CUDA profiler; 16 x 2048, softplus gate, or ``case``: "BxT" and/or "lb" for the
+    lower_bound gate) of the forward kernels under SWEEP_FWD and of the backward under SWEEP_BWD, each output
+    checked against the default config's; then fla's own kernels."""
     B, T = S.shapes[0]
-    x = make(B, T, seed=3)
-    o_opts = KernelOptions(**opts(x, False))
+    shape = [w for w in case.split() if "x" in w]
+    if shape:
+        B, T = (int(n) for n in shape[0].split("x"))
+    lb = "lb" in case.split()
+    x = make(B, T, seed=3, lb=lb)
+    o_opts = KernelOptions(**opts(x, lb))
     do = torch.randn_like(x["v"])
 
     def fwd(cfg):
@@ -665,15 +668,14 @@ def sweep_configs(fla_chunk) -> None:
     for fields in [] if NO_BACKWARD else SWEEP_BWD:
         run("bwd", fields)
     if fla_chunk is not None:
-        for lb in (False, True):
-            xf = make(B, T, seed=3, lb=lb)
-            for what, fn in (("fwd", lambda: fla_chunk(*args5(xf), output_final_state=True, **fla_opts(xf, lb))),
-                             ("fwd+bwd", fwd_bwd_runner(lambda L: fla_chunk(*args5(L), output_final_state=True,
-                                                                            **fla_opts(L, lb))[0], xf))):
-                rows = kernel_times(fn)
-                say(f"  fla {'safe_gate' if lb else 'softplus'} {what}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
-                    f"{name[:40]} {ms:.3f} x{n}" for name, ms, n in rows[:16]))
-                save()
+        xf = make(B, T, seed=3, lb=lb)
+        for what, fn in (("fwd", lambda: fla_chunk(*args5(xf), output_final_state=True, **fla_opts(xf, lb))),
+                         ("fwd+bwd", fwd_bwd_runner(lambda L: fla_chunk(*args5(L), output_final_state=True,
+                                                                        **fla_opts(L, lb))[0], xf))):
+            rows = kernel_times(fn)
+            say(f"  fla {'safe_gate' if lb else 'softplus'} {what}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
+                f"{name[:40]} {ms:.3f} x{n}" for name, ms, n in rows[:16]))
+            save()
     for kind, fields in SWEEP_FEW_WARPS:            # last: a fault here takes the process down
         run(kind, fields)
 
@@ -762,12 +764,15 @@ def main() -> int:
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
     p.add_argument("--no-decode", action="store_true", help="skip the decode checks and rows")
     p.add_argument("--only", nargs="+", metavar="STEP", default=None,
-                   help="run just the steps whose names contain one of these words, whatever the other flags "
-                        "(e.g. --only 'forward+backward' 1M profile); names are printed as '== step'")
+                   help="run just the steps named, or whose names contain one of these words, whatever the other "
+                        "flags (e.g. --only 'forward+backward' 1M profile); names are printed as '== step'")
     p.add_argument("--config", default="", metavar="JSON",
                    help="LaunchConfig fields overriding the defaults for every step, e.g. '{\"bwd_bk\": 32}'")
     p.add_argument("--sweep", action="store_true",
                    help="per-kernel times of many launch configs (forward and backward), and fla's kernels")
+    p.add_argument("--sweep-case", default="", metavar="CASE",
+                   help="the sweep's inputs: a shape 'BxT' (default: the first benchmark shape) and/or 'lb' for the "
+                        "lower_bound gate, e.g. '1x32768 lb'")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
     p.add_argument("--sass-dir", default="", help="with --offline-sm90: write each kernel's SASS here (NAME.N.sass)")
     p.add_argument("--kernel", default="", help="with --offline-sm90: only kernels whose name contains this")
@@ -811,7 +816,7 @@ def main() -> int:
     steps += [("check chunk backward", a.check, checks.chunk_backward)]
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
     steps += [("profile chunk", a.profile, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
-    steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk))]
+    steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk, a.sweep_case))]
     steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
     # last of the chunk steps: fla's autotuned backward kernels take minutes to compile
     steps += [("bench chunk forward+backward", bench and not a.no_backward,
@@ -820,7 +825,10 @@ def main() -> int:
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
     steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]
     if a.only:
-        steps = [(name, any(w in name for w in a.only), fn) for name, _, fn in steps]
+        names = {name for name, _, _ in steps}
+        # a word that is a whole step name picks that step alone ('bench chunk forward' is also a part of
+        # 'bench chunk forward+backward'); any other word, every step whose name contains it
+        steps = [(name, any(w == name if w in names else w in name for w in a.only), fn) for name, _, fn in steps]
         a.check = any(wanted and name.startswith("check") for name, wanted, _ in steps)
     skipped = []
     try:

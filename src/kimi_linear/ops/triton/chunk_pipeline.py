@@ -67,9 +67,12 @@ class LaunchConfig:
     inv_warps: int = 4
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
+    # (1 x 32768: 0.95 against 1.09 with 64)
     h_bv: int = 0
     h_warps: int = 4
-    h_stages: int = 2
+    # software pipelining of the state scans' chunk loop; 0: 3 for few sequences (1 x 32768, H=32: forward scan 0.77
+    # against 0.96 ms with 2), 2 otherwise (16 x 2048: 0.48 against 0.59 with 3); the same rule as h_bv's
+    h_stages: int = 0
     o_bv: int = 64                    # value columns per program of the output kernel
     o_bks: int = 64
     o_warps: int = 4
@@ -194,14 +197,16 @@ class Problem:
         self.prec_exact = cfg.bwd_intra_prec if half else "ieee"
         self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
         self.opts, self.cfg = opts, cfg
-        self.h_bv = min(cfg.h_bv or self.auto_h_bv(), self.BVmax)
+        wide = self.fills_sms(64)
+        self.h_bv = min(cfg.h_bv or (64 if wide else 32), self.BVmax)
+        self.h_stages = cfg.h_stages or (2 if wide else 3)
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
 
-    def auto_h_bv(self) -> int:
-        """64 value columns per state-scan program when N * HV * V / 64 programs fill every SM twice, else 32 (the
-        scan is sequential over chunks: fewer, wider programs leave SMs idle for few long sequences)."""
+    def fills_sms(self, bv: int) -> bool:
+        """Whether state scans of bv value columns a program (N * HV * V / bv programs) fill every SM twice. The
+        scan is sequential over chunks: for few long sequences, fewer and wider programs would leave SMs idle."""
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
-        return 64 if self.N * self.HV * triton.cdiv(self.V, 64) >= 2 * sms else 32
+        return self.N * self.HV * triton.cdiv(self.V, bv) >= 2 * sms
 
     def ptr(self, x):
         return self.dummy if x is None else x
@@ -273,7 +278,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states, PREC=p.prec,
-        num_warps=cfg.h_warps, num_stages=cfg.h_stages,
+        num_warps=cfg.h_warps, num_stages=p.h_stages,
     )
     return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht)
 
@@ -355,7 +360,7 @@ def chunk_kda_bwd_pipeline(
         qg=x.qg, kg=x.kg, w=x.w, Aqk=x.Aqk, decay=x.decay, do=do, dh=dh, dvn=dvn, dht=p.ptr(dht), dh0=dh0,
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_FINAL_STATE_GRADIENT=dht is not None,
-        PREC=p.prec, num_warps=cfg.h_warps, num_stages=cfg.h_stages,
+        PREC=p.prec, num_warps=cfg.h_warps, num_stages=p.h_stages,
     )
 
     BKb = min(cfg.bwd_bk, p.BK)
