@@ -611,7 +611,8 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(h_stages=2), dict(h_stages=3), dict(h_bv=32), dict(h_bv=64)]
+SWEEP_FWD = [dict(), dict(scores_halves=True), dict(scores_halves=True, scores_midpoint=True), dict(h_stages=2),
+             dict(h_stages=3), dict(h_bv=32), dict(h_bv=64)]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
 SWEEP_BWD = [dict(), dict(keep_scores=False), dict(h_stages=2), dict(h_stages=3)]

@@ -174,3 +174,27 @@ def test_public_op_reads_the_module_default_config_at_call_time(monkeypatch):
     assert torch.equal(run(x)[0], chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5,
                                                 x["initial_state"], True, NO_OPTIONS, None,
                                                 cfg=LaunchConfig(store="float32"))[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["three paths", "extreme gates"])
+def test_scores_by_halves(case, dtype):
+    """``LaunchConfig(scores_halves=True)``: value head 0 decays by about 3 a step (48 per sub-block: not separable
+    as a chunk, bounded per sub-block, so the three-product path), head 1 by about 0.5 (separable), head 2 by about
+    6 (96 per sub-block: the sub-block scheme); "extreme gates": -1000 and 0 steps (sub-block scheme) beside
+    ordinary chunks. Same numbers as the reference either way, every chunk written once (NaN poison)."""
+    if case == "three paths":
+        x = make_inputs(B=1, T=130, H=1, HV=3, K=32, V=16, dtype=dtype, seed=44)
+        g = x["g"].double()
+        noise = 0.1 * torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        g[:, :, 0] = -3.0 + noise
+        g[:, :, 2] = -6.0 + noise
+        x["g"] = g.to(dtype)
+        bar = tol(dtype)
+    else:
+        x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, strong_decay=True, dtype=dtype, seed=45)
+        bar = 1e-4 if dtype == torch.float32 else 5e-3
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
+                         NO_OPTIONS, None, cfg=LaunchConfig(scores_halves=True))
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar

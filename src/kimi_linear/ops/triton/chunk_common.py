@@ -252,6 +252,18 @@ def sub_block_total(gP, bos, t0, M, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
+def gate_tiles(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BT: tl.constexpr, BC: tl.constexpr):
+    """The chunk's ``gP`` tile at channels o_k ([BT, len(o_k)]) and its four sub-block totals ([len(o_k)] each)."""
+    tl.static_assert(BT == 4 * BC)
+    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)
+    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    return b_P, b_t0, b_t1, b_t2, b_t3
+
+
+@triton.jit
 def earlier_factor(b_P, b_t0, b_t1, b_t2, I, BT: tl.constexpr, BC: tl.constexpr):
     """``exp(G_r - G_j)`` on the rows j before sub-block I (r: the row before sub-block I), zero from sub-block I on:
     [BT, BKS] from the chunk's ``gP`` tile and the totals of sub-blocks 0-2 ([BKS] each). The exponent is
@@ -289,6 +301,20 @@ def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, B
 
 
 @triton.jit
+def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                       BC: tl.constexpr):
+    """Whether the gate of every channel falls by less than HALF_LIMIT over each 16-row sub-block of the chunk at t0:
+    then its scores split into one product per 32-row half around a row of that half and one product across the
+    halves through row 31 (chunk_wy.halves_scores), every factor a normal float32 number."""
+    o_k = tl.arange(0, BK)
+    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BK]
+    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < HALF_LIMIT
+
+
+@triton.jit
 def separable_exponent(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, s_r, BT: tl.constexpr,
                        BC: tl.constexpr, MIDPOINT: tl.constexpr):
     """``D = G - R`` (see :func:`chunk_separable`) on the chunk at t0, channels o_k ([BT, len(o_k)]), from the
@@ -323,11 +349,7 @@ def chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, 
     don't-care finite values."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
-    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                 # [BT, BKS]
-    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BKS]
-    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS] x4
     s = (o_t // BC)[:, None]                                                # [BT, 1] sub-block of each row
     b_before = (tl.where(s >= 1, b_t0[None, :], 0.0) + tl.where(s >= 2, b_t1[None, :], 0.0)
                 + tl.where(s >= 3, b_t2[None, :], 0.0))                      # [BT, BKS]

@@ -49,9 +49,13 @@ class LaunchConfig:
     scores_warps: int = 4
     scores_stages: int = 1            # software pipelining of its channel loop (1: none)
     # Separable chunks (chunk_common.chunk_separable) referred to each channel's midpoint: the gate may fall by 160
-    # over a chunk instead of 80 over each half (every chunk of the softplus benchmark instead of 77%). Forward and
-    # backward; interpreter-tested, not yet GPU-timed
+    # over a chunk instead of 80 over each half. No faster on the H200 (2026-12-01: scores 1.58 against 1.59 ms)
     scores_midpoint: bool = False
+    # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 80
+    # (chunk_common.sub_blocks_bounded; 28% of the softplus benchmark's chunks, which took 0.72 ms of the scores'
+    # 1.59 in the sub-block scheme at 255 registers) in a launch of their own: three products per channel step
+    # (chunk_wy.halves_scores). Interpreter-tested, not yet GPU-timed or GPU-checked
+    scores_halves: bool = False
     # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
@@ -259,10 +263,13 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
-        for separable in (True, False):
+        # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
+        paths = [(True, False), (False, True)] if cfg.scores_halves else [(True, False)]
+        for separable, halves_path in paths + [(False, False)]:
             chunk_kda_fwd_scores_kernel[(NT, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
-                num_warps=cfg.scores_warps, num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
+                HALVES=cfg.scores_halves, HALVES_PATH=halves_path, num_warps=cfg.scores_warps,
+                num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
     if cfg.wy_split and kept is None:
         chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)

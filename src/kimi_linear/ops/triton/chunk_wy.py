@@ -34,6 +34,7 @@ from .chunk_common import (
     diagonal_block_inverse,
     diagonal_block_inverses,
     fast_exp,
+    gate_tiles,
     load_beta,
     load_norms,
     load_rows,
@@ -41,7 +42,7 @@ from .chunk_common import (
     mm_rounded,
     separable_exponent,
     store_rows,
-    sub_block_total,
+    sub_blocks_bounded,
     tf32_operand,
 )
 
@@ -103,11 +104,7 @@ def chunk_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)              # [BT, BKS]
-        b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)    # [BKS]
-        b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-        b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-        b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+        b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS] x4
         b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
                          tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
         b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
@@ -176,6 +173,55 @@ def separable_scores(
 
 
 @triton.jit
+def halves_scores(
+    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """:func:`chunk_scores` for a chunk whose every sub-block's gate sum is above -HALF_LIMIT
+    (chunk_common.sub_blocks_bounded) but that is not separable as a whole: three products per channel step, each
+    entry from exactly one of them (their operands are zero outside their rows and columns):
+
+    * inside half 0 (rows 0-31) and inside half 1 (32-63): rows ``q_i exp(D_i)``, columns ``k_j exp(-D_j)`` with
+      ``D = G - R`` and R the last row of the half's first sub-block (row 15 or 47), so ``D = gP - tot`` on
+      sub-blocks 0 and 2 and ``D = gP`` on 1 and 3: |D| < HALF_LIMIT, and no sum over more than 16 rows;
+    * across (rows of half 1, columns of half 0), through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``, both <= 1.
+
+    As in :func:`separable_scores`, only dropped entries (j > i) can overflow."""
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
+    m_h1 = s_r >= 2                                                        # [BT, 1] rows of half 1
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        b_P, b_t0, b_t1, b_t2, _ = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS] x3
+        b_D = b_P - tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 2, b_t2[None, :], 0.0))   # [BT, BKS]
+        # G - G_31, negated on half 0 (those rows are columns of the cross product): <= 0 everywhere
+        b_X = tl.where(s_r == 0, (b_t0 + b_t1)[None, :] - b_P, tl.where(s_r == 1, b_t1[None, :] - b_P,
+                       b_P + tl.where(s_r == 3, b_t2[None, :], 0.0)))
+        b_eD = fast_exp(b_D)
+        b_eX = fast_exp(b_X)
+        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+        b_kc = tf32_operand(b_k * fast_exp(-b_D), PREC)                    # [BT, BKS] same-half columns
+        b_ct0 = tl.trans(tl.where(m_h1, 0.0, b_kc))                        # [BKS, BT]
+        b_ct1 = tl.trans(tl.where(m_h1, b_kc, 0.0))
+        b_ctx = tl.trans(tf32_operand(tl.where(m_h1, 0.0, b_k * b_eX), PREC))   # cross columns (half 0)
+        b_qr = tf32_operand(b_q * b_eD, PREC)                              # [BT, BKS]
+        b_kr = tf32_operand(b_k * b_eD, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_ct0, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_ct1, b_aq, PREC)
+        b_aq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_ctx, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
+        b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
+    store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+
+
+@triton.jit
 def chunk_kda_fwd_scores_kernel(
     q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
@@ -183,11 +229,13 @@ def chunk_kda_fwd_scores_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr,
+    SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr, HALVES: tl.constexpr, HALVES_PATH: tl.constexpr,
 ):
-    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: two launches that evaluate the
-    same test on the same numbers, so every chunk is written exactly once, and each compiles only its own path
-    (the separable one in 168 registers a thread, the other near 255)."""
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in 168 registers a thread, the other near 255). With ``HALVES`` (LaunchConfig.scores_halves)
+    a third launch (``HALVES_PATH``) takes the other chunks that chunk_common.sub_blocks_bounded accepts
+    (:func:`halves_scores`), and the sub-block scheme only what is left."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
@@ -196,8 +244,16 @@ def chunk_kda_fwd_scores_kernel(
         if sep:
             separable_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                              USE_QK_L2NORM, PREC, MIDPOINT)
-    else:
+    elif HALVES_PATH:
         if not sep:
+            if sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC):
+                halves_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                              USE_QK_L2NORM, PREC)
+    else:
+        rest = not sep
+        if HALVES:
+            rest = rest and not sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        if rest:
             chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                          USE_QK_L2NORM, PREC)
 
