@@ -176,3 +176,14 @@ def test_kept_and_recomputed_scores(case, keep, monkeypatch):
         assert len(saved) == (13 if keep else 8)
     else:
         check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, seed=55), cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_wide_state_scans(stages, monkeypatch):
+    """The state scans 64 value columns wide (the H200 default for many sequences, ``h_bv=0`` picks it there; the
+    small shapes of these tests would pick 32) with either pipelining depth, forward and backward."""
+    import kimi_linear.ops.triton.chunk as tri_chunk
+    from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
+
+    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(h_bv=64, h_stages=stages))
+    check(make_inputs(B=2, T=70, H=1, HV=2, K=32, V=64, seed=56))
