@@ -46,6 +46,7 @@ from .chunk_common import (
     separable_exponent,
     store_rows,
     sub_block_total,
+    sub_block_totals,
 )
 from .transforms import softplus
 
@@ -257,9 +258,7 @@ def sub_block_grads(
     o_t = tl.arange(0, BT)
     m_r = (rS + o_j) < T_n
     b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                          # [BT, BK]
-    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)                # [BK]
-    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x3
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)          # [BT] x2
     b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]     # [BT, BK]
     b_PS = load_rows(gP, bos, rS, T_n, i_hv, HV, K, o_k, BC)                         # [BC, BK]

@@ -252,14 +252,21 @@ def sub_block_total(gP, bos, t0, M, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
-def gate_tiles(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BT: tl.constexpr, BC: tl.constexpr):
-    """The chunk's ``gP`` tile at channels o_k ([BT, len(o_k)]) and its four sub-block totals ([len(o_k)] each)."""
-    tl.static_assert(BT == 4 * BC)
-    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+def sub_block_totals(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
+    """The four sub-block totals of the chunk at t0 (:func:`sub_block_total`), [len(o_k)] each."""
     b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)
     b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
     b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
     b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    return b_t0, b_t1, b_t2, b_t3
+
+
+@triton.jit
+def gate_tiles(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BT: tl.constexpr, BC: tl.constexpr):
+    """The chunk's ``gP`` tile at channels o_k ([BT, len(o_k)]) and its four sub-block totals ([len(o_k)] each)."""
+    tl.static_assert(BT == 4 * BC)
+    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)
     return b_P, b_t0, b_t1, b_t2, b_t3
 
 
@@ -291,10 +298,7 @@ def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, B
     channel falls by less than HALF_LIMIT over each 32-row half. ``MIDPOINT``: R is each channel's midpoint
     ``(G_0 + G_last) / 2``, and the gate may fall by up to 2 HALF_LIMIT over the chunk (after its first row)."""
     o_k = tl.arange(0, BK)
-    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BK]
-    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
     if MIDPOINT:
         return tl.max(first_gate(gP, bos, t0, i_hv, HV, K, o_k) - (b_t0 + b_t1 + b_t2 + b_t3)) < 2.0 * HALF_LIMIT
     return tl.max(tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3))) < HALF_LIMIT
@@ -307,10 +311,7 @@ def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
     then its scores split into one product per 32-row half around a row of that half and one product across the
     halves through row 31 (chunk_wy.halves_scores), every factor a normal float32 number."""
     o_k = tl.arange(0, BK)
-    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BK]
-    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
-    b_t3 = sub_block_total(gP, bos, t0, 3, T_n, i_hv, HV, K, o_k, BC)
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
     return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < HALF_LIMIT
 
 
@@ -323,9 +324,9 @@ def separable_exponent(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
     if MIDPOINT:
         b_G, b_unused, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS]
         return b_G - (0.5 * (first_gate(gP, bos, t0, i_hv, HV, K, o_k) + b_GC))[None, :]
-    b_t0 = sub_block_total(gP, bos, t0, 0, T_n, i_hv, HV, K, o_k, BC)      # [BKS]
-    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
-    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    # totals first, then the tile: gate_tiles' order (tile first) compiles the separable scores kernel to other
+    # machine code (160 registers instead of 168) that has not been checked on the GPU yet
+    b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
     return (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
             + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
             - tl.where(s_r == 0, b_t0[None, :], 0.0))
