@@ -669,10 +669,9 @@ def sweep_configs(fla_chunk, case: str = "") -> None:
     for fields in [] if NO_BACKWARD else SWEEP_BWD:
         run("bwd", fields)
     if fla_chunk is not None:
-        xf = make(B, T, seed=3, lb=lb)
-        for what, fn in (("fwd", lambda: fla_chunk(*args5(xf), output_final_state=True, **fla_opts(xf, lb))),
+        for what, fn in (("fwd", lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb))),
                          ("fwd+bwd", fwd_bwd_runner(lambda L: fla_chunk(*args5(L), output_final_state=True,
-                                                                        **fla_opts(L, lb))[0], xf))):
+                                                                        **fla_opts(L, lb))[0], x))):
             rows = kernel_times(fn)
             say(f"  fla {'safe_gate' if lb else 'softplus'} {what}: {sum(r[1] for r in rows):.3f} ms; " + "; ".join(
                 f"{name[:40]} {ms:.3f} x{n}" for name, ms, n in rows[:16]))
