@@ -611,11 +611,10 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(scores_halves=True), dict(scores_halves=True, scores_midpoint=True), dict(h_stages=2),
-             dict(h_stages=3), dict(h_bv=32), dict(h_bv=64)]
+SWEEP_FWD = [dict(), dict(wy_regs=160), dict(wy_prec="bf16x2")]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
-SWEEP_BWD = [dict(), dict(keep_scores=False), dict(h_stages=2), dict(h_stages=3)]
+SWEEP_BWD = [dict(), dict(wy_regs=160)]
 
 
 def sweep_configs(fla_chunk, case: str = "") -> None:
@@ -736,7 +735,7 @@ def offline_sm90(cfg_json: str) -> int:
             ck = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 128),
                                 options=dict(num_warps=nw, num_stages=ns, maxnreg=nreg))
         except Exception as e:  # noqa: BLE001
-            say(f"{fn.__name__}: COMPILE ERROR {type(e).__name__}: {str(e)[:1500]}")
+            say(f"{fn.__name__}: COMPILE ERROR {type(e).__name__}: {str(e)[-1500:]}")
             continue
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(ck.asm["cubin"])

@@ -69,15 +69,18 @@ def test_extreme_gates_and_lengths(T):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(S, S_ref) < 1e-4
 
 
+@pytest.mark.parametrize("halves", ["off", "own"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_separable_and_sub_block_score_paths_side_by_side(dtype):
+def test_separable_and_sub_block_score_paths_side_by_side(dtype, halves):
     """Head 0 decays by about 3 a step (96 over 32 rows: not separable, so the scores go by sub-blocks with the
-    product diagonal); head 1 by about 0.5 (separable: one product per channel step)."""
+    product diagonal, or with ``scores_halves`` by halves); head 1 by about 0.5 (separable: one product per
+    channel step)."""
     x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=39)
     g = x["g"].double()
     g[:, :, 0] = -3.0 + 0.1 * torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     x["g"] = g.to(dtype)
-    o, S = run(x)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
+                         NO_OPTIONS, None, cfg=LaunchConfig(scores_halves=halves))
     o_ref, S_ref = reference(x, KernelOptions())
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
@@ -156,7 +159,8 @@ def test_no_initial_state_no_final_state_odd_widths():
 
 
 @pytest.mark.parametrize("field, value", [("scores_warps", 2), ("o_warps", 1), ("store", "half"),
-                                          ("bwd_intra_prec", "bf16"), ("inv_warps", 3)])
+                                          ("bwd_intra_prec", "bf16"), ("inv_warps", 3),
+                                          ("scores_halves", True)])
 def test_launch_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
         LaunchConfig(**{field: value})
@@ -176,13 +180,15 @@ def test_public_op_reads_the_module_default_config_at_call_time(monkeypatch):
                                                 cfg=LaunchConfig(store="float32"))[0])
 
 
+@pytest.mark.parametrize("halves", ["own", "merged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["three paths", "extreme gates"])
-def test_scores_by_halves(case, dtype):
-    """``LaunchConfig(scores_halves=True)``: value head 0 decays by about 3 a step (48 per sub-block: not separable
-    as a chunk, bounded per sub-block, so the three-product path), head 1 by about 0.5 (separable), head 2 by about
-    6 (96 per sub-block: the sub-block scheme); "extreme gates": -1000 and 0 steps (sub-block scheme) beside
-    ordinary chunks. Same numbers as the reference either way, every chunk written once (NaN poison)."""
+def test_scores_by_halves(case, dtype, halves):
+    """``LaunchConfig(scores_halves=...)``, in a launch of its own or beside the sub-block scheme: value head 0
+    decays by about 3 a step (48 per sub-block: not separable as a chunk, bounded per sub-block, so the
+    three-product path), head 1 by about 0.5 (separable), head 2 by about 6 (96 per sub-block: the sub-block
+    scheme); "extreme gates": -1000 and 0 steps (sub-block scheme) beside ordinary chunks. Same numbers as the
+    reference either way, every chunk written once (NaN poison)."""
     if case == "three paths":
         x = make_inputs(B=1, T=130, H=1, HV=3, K=32, V=16, dtype=dtype, seed=44)
         g = x["g"].double()
@@ -195,6 +201,39 @@ def test_scores_by_halves(case, dtype):
         x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, strong_decay=True, dtype=dtype, seed=45)
         bar = 1e-4 if dtype == torch.float32 else 5e-3
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
-                         NO_OPTIONS, None, cfg=LaunchConfig(scores_halves=True))
+                         NO_OPTIONS, None, cfg=LaunchConfig(scores_halves=halves))
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
+
+
+@pytest.mark.parametrize("norms_in_scores", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2norm_factors_from_scores_or_prepare(dtype, norms_in_scores):
+    """l2norm's row factors from the scores kernel (its paths on raw q, k, the [BT, BT] results scaled; default)
+    or from the prepare kernel: with GVA (one writer per q/k head), q and k far from unit norm, value heads on the
+    separable, by-halves and sub-block score paths (gate steps of about -0.5, -3 and -6)."""
+    x = make_inputs(B=1, T=130, H=1, HV=3, K=40, V=16, dtype=dtype, seed=46)
+    x["q"], x["k"] = (7 * x["q"]).to(dtype), (3 * x["k"]).to(dtype)
+    g = x["g"].double()
+    noise = 0.1 * torch.randn(1, 130, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for hv, step in enumerate((-0.5, -3.0, -6.0)):
+        g[:, :, hv] = step + noise
+    x["g"] = g.to(dtype)
+    opts = KernelOptions(use_qk_l2norm_in_kernel=True)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 40 ** -0.5, x["initial_state"], True, opts,
+                         None, cfg=LaunchConfig(norms_in_scores=norms_in_scores))
+    o_ref, S_ref = reference(x, opts)
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("cfg", [dict(wy_prec="bf16"), dict(wy_prec="bf16x2"), dict(wy_split=True, wy_sides=2),
+                                 dict(wy_stages=1)], ids=str)
+def test_wy_product_options(cfg):
+    """The opt-in WY product variants (bf16 operands as fla's w / u, the inverse in two bf16 parts, key and value
+    sides in programs of their own, no pipelining) against the reference at the bf16 bar, with a length that is
+    not a multiple of the chunk and K not a multiple of the channel step."""
+    x = make_inputs(B=2, T=70, H=1, HV=2, K=80, V=48, dtype=torch.bfloat16, seed=47)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 80 ** -0.5, x["initial_state"], True,
+                         NO_OPTIONS, None, cfg=LaunchConfig(**cfg))
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3

@@ -52,16 +52,23 @@ class LaunchConfig:
     # over a chunk instead of 80 over each half. No faster on the H200 (2026-12-01: scores 1.58 against 1.59 ms)
     scores_midpoint: bool = False
     # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 80
-    # (chunk_common.sub_blocks_bounded; 28% of the softplus benchmark's chunks, which took 0.72 ms of the scores'
-    # 1.59 in the sub-block scheme at 255 registers) in a launch of their own: three products per channel step
-    # (chunk_wy.halves_scores). Interpreter-tested, not yet GPU-timed or GPU-checked
-    scores_halves: bool = False
+    # (chunk_common.sub_blocks_bounded; 28% of the softplus benchmark's chunks) by three products per channel step
+    # (chunk_wy.halves_scores) instead of the 255-register sub-block scheme: "merged" in the sub-block scheme's
+    # launch, "own" in a launch of their own, "off" not at all. H200, 2026-12-01, scores kernel ms at 16 x 2048
+    # softplus / lower_bound: merged 0.90 / 0.66, own 0.95 / 0.72 (its extra launch only tests when every chunk is
+    # separable), off 1.60 / 0.66
+    scores_halves: str = "merged"
+    # The l2norm row factors rq, rk computed by the scores kernel (chunk_wy.finish_scores: its paths run on raw q, k
+    # and scale the [BT, BT] results), so that the prepare kernel reads only the gate, not q and k
+    # (H200, 2026-12-01, 16 x 2048: prepare 0.41 -> 0.28 ms softplus, 0.39 -> 0.21 lower_bound; scores +0.08 / +0.07)
+    norms_in_scores: bool = True
     # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
     keep_scores: bool = True
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
+    wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
     # The four diagonal 16x16 blocks of the inverse in one [4, 16, 16] substitution (H200, 2026-12-01: WY kernel
     # 1.75-1.76 ms against 2.10 for four [16, 16] ones in turn, False)
     wy_batched_inverse: bool = True
@@ -69,6 +76,12 @@ class LaunchConfig:
     # (2026-12-01: 2.07 / 2.30 / 3.29 ms for both launches with 4 / 2 / 1 warps, against 2.10 in one)
     wy_split: bool = False
     inv_warps: int = 4
+    # The WY products Tm @ (beta k exp(G)) and Tm @ (beta v) for 16-bit inputs (chunk_wy.wy_product): "tf32",
+    # "bf16" (both operands rounded to bf16, as fla's w / u) or "bf16x2" (Tm in two bf16 parts)
+    wy_prec: str = "tf32"
+    # Programs per chunk of the WY products from an inverse in memory (wy_split, or the backward's recompute): 2
+    # puts the key side (w, qg, kg) and the value side (u) in programs of their own
+    wy_sides: int = 1
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64)
@@ -116,6 +129,12 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.inv_warps must be 1, 2, 4 or 8, got {self.inv_warps}")
         if self.store not in ("input", "float32"):
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
+        if self.scores_halves not in ("off", "own", "merged"):
+            raise ValueError(f"LaunchConfig.scores_halves must be 'off', 'own' or 'merged', got {self.scores_halves!r}")
+        if self.wy_prec not in ("tf32", "bf16", "bf16x2"):
+            raise ValueError(f"LaunchConfig.wy_prec must be 'tf32', 'bf16' or 'bf16x2', got {self.wy_prec!r}")
+        if self.wy_sides not in (1, 2):
+            raise ValueError(f"LaunchConfig.wy_sides must be 1 or 2, got {self.wy_sides}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
             raise ValueError(f"LaunchConfig.bwd_intra_prec must be 'tf32', 'tf32x3' or 'ieee', got "
                              f"{self.bwd_intra_prec!r}")
@@ -203,7 +222,9 @@ class Problem:
         self.opts, self.cfg = opts, cfg
         wide = self.fills_sms(64)
         self.h_bv = min(cfg.h_bv or (64 if wide else 32), self.BVmax)
-        self.h_stages = cfg.h_stages or (2 if wide else 3)
+        # 3 stages of float32 tiles need 256 KiB of shared memory in the backward scan (the H200 has 227 KiB: GPU
+        # check of 2026-12-01, varlen float32), so float32 intermediates keep 2
+        self.h_stages = cfg.h_stages or (2 if wide or self.sdt == torch.float32 else 3)
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
 
     def fills_sms(self, bv: int) -> bool:
@@ -237,14 +258,15 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
-    norms = use_l2 and kept is None                                    # the prepare kernel writes rq, rk
+    norms = use_l2 and kept is None                                    # rq, rk written here
+    prepare_norms = norms and not cfg.norms_in_scores                  # by the prepare kernel, else by the scores'
     gP = p.empty(B, T, HV, K)
     rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
     chunk_kda_prepare_kernel[(NT, HV)](
         q=q, k=k, g=g, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=norms, num_warps=4,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=prepare_norms, num_warps=4,
     )
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
@@ -259,23 +281,28 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-              NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse)
+              NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse, WY_PREC=cfg.wy_prec)
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
-        paths = [(True, False), (False, True)] if cfg.scores_halves else [(True, False)]
+        # float32 inputs keep the sub-block scheme: the merged kernel's exact float32 products ask for more shared
+        # memory than the H200 has (262144 bytes against 232448, GPU check of 2026-12-01)
+        halves = {"off": 0, "own": 1, "merged": 2}[cfg.scores_halves] if p.prec == "tf32" else 0
+        paths = [(True, False), (False, True)] if halves == 1 else [(True, False)]
         for separable, halves_path in paths + [(False, False)]:
             chunk_kda_fwd_scores_kernel[(NT, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
-                HALVES=cfg.scores_halves, HALVES_PATH=halves_path, num_warps=cfg.scores_warps,
+                HALVES=halves, HALVES_PATH=halves_path, NORMS=norms and cfg.norms_in_scores, num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
     if cfg.wy_split and kept is None:
-        chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
+        chunk_kda_fwd_wy_kernel[(NT, HV, 1)](STAGE=1, SIDES=1, num_warps=cfg.inv_warps, **wy, **shared)
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse in memory
-    chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=2 if cfg.wy_split or kept is not None else 0, num_warps=cfg.wy_warps,
-                                      **reg_cap(cfg.wy_regs), **wy, **shared)
+    stage = 2 if cfg.wy_split or kept is not None else 0
+    sides = cfg.wy_sides if stage == 2 else 1
+    chunk_kda_fwd_wy_kernel[(NT, HV, sides)](STAGE=stage, SIDES=sides, num_warps=cfg.wy_warps,
+                                             num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None

@@ -28,6 +28,7 @@ import triton.language as tl
 from .chunk_common import (
     SAFE_EXP,
     block_of,
+    cast,
     chunk_coords,
     chunk_gate_terms,
     chunk_separable,
@@ -87,7 +88,7 @@ def diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
 
 @triton.jit
 def chunk_scores(
-    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
+    q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -102,7 +103,9 @@ def chunk_scores(
 
     ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between
     sub-blocks are per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows,
-    the diagonal product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products."""
+    the diagonal product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products. Returns the
+    [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks the rest), as
+    the other two paths do."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
     s = o_t // BC                                                          # [BT] sub-block of each row
@@ -149,12 +152,12 @@ def chunk_scores(
                                            H, HV, K, BT, BC, USE_QK_L2NORM)
             b_aq += b_dq
             b_ak += b_dk
-    store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
+    return b_aq, b_ak
 
 
 @triton.jit
 def separable_scores(
-    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
+    q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
@@ -176,12 +179,12 @@ def separable_scores(
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
         b_aq = mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_aq, PREC)
         b_ak = mm_rounded(tf32_operand(b_k * b_er, PREC), b_ct, b_ak, PREC)
-    store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
+    return b_aq, b_ak
 
 
 @triton.jit
 def halves_scores(
-    q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv,
+    q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -224,7 +227,7 @@ def halves_scores(
         b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
         b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
         b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
-    store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
+    return b_aq, b_ak
 
 
 @triton.jit
@@ -236,32 +239,68 @@ def chunk_kda_fwd_scores_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr, HALVES: tl.constexpr, HALVES_PATH: tl.constexpr,
+    NORMS: tl.constexpr,
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
-    (the separable one in 168 registers a thread, the other near 255). With ``HALVES`` (LaunchConfig.scores_halves)
-    a third launch (``HALVES_PATH``) takes the other chunks that chunk_common.sub_blocks_bounded accepts
-    (:func:`halves_scores`), and the sub-block scheme only what is left."""
+    (the separable one in 168 registers a thread, the other near 255). ``HALVES`` (LaunchConfig.scores_halves):
+    0, the others all by the sub-block scheme; 1, those that chunk_common.sub_blocks_bounded accepts by
+    :func:`halves_scores` in a launch of their own (``HALVES_PATH``); 2, by halves_scores in the sub-block
+    scheme's launch (no third launch, but halves_scores compiled beside the 255-register path)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
+    L2: tl.constexpr = USE_QK_L2NORM and not NORMS                        # the paths read rq, rk from memory
     sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, MIDPOINT)
     if SEPARABLE:
         if sep:
-            separable_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                             USE_QK_L2NORM, PREC, MIDPOINT)
+            b_aq, b_ak = separable_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                                          L2, PREC, MIDPOINT)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
     elif HALVES_PATH:
         if not sep:
             if sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC):
-                halves_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                              USE_QK_L2NORM, PREC)
-    else:
-        rest = not sep
-        if HALVES:
-            rest = rest and not sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-        if rest:
-            chunk_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                         USE_QK_L2NORM, PREC)
+                b_aq, b_ak = halves_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
+                finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
+    elif not sep:
+        bounded = False
+        if HALVES != 0:
+            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        if HALVES == 2 and bounded:
+            b_aq, b_ak = halves_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
+        elif not bounded:
+            b_aq, b_ak = chunk_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
+
+
+@triton.jit
+def row_inv_norms(x, bos, t0, T_n, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr):
+    """``1 / sqrt(sum_c x_tc^2 + 1e-6)`` of the chunk's rows of ``x`` [B, T, H, K] (l2norm), [BT] float32."""
+    b_s = tl.zeros([BT], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        b_x = load_rows(x, bos, t0, T_n, i_h, H, K, c0 + tl.arange(0, BKS), BT).to(tl.float32)   # [BT, BKS]
+        b_s += tl.sum(b_x * b_x, 1)
+    return tl.rsqrt(b_s + 1e-6)
+
+
+@triton.jit
+def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, NORMS: tl.constexpr):
+    """Store a chunk's scores. ``NORMS`` (l2norm with LaunchConfig.norms_in_scores): the path ran on raw q and k,
+    and the l2norm enters here as ``Aqk = diag(rq) A diag(rk)``, ``Akk = diag(rk) A diag(rk)``; the program of
+    the first value head of each q/k head also stores rq and rk for the later kernels (the prepare kernel then
+    reads no q or k: 4 bytes per element less traffic, and q, k are in L2 here)."""
+    if NORMS:
+        b_rq = row_inv_norms(q, bos, t0, T_n, i_h, H, K, BT, BKS)          # [BT]
+        b_rk = row_inv_norms(k, bos, t0, T_n, i_h, H, K, BT, BKS)
+        b_aq = b_aq * b_rq[:, None] * b_rk[None, :]
+        b_ak = b_ak * b_rk[:, None] * b_rk[None, :]
+        if i_hv % (HV // H) == 0:                                          # one writer per q/k head
+            o_t = t0 + tl.arange(0, BT)
+            tl.store(rq + (bos + o_t) * H + i_h, b_rq, mask=o_t < T_n)
+            tl.store(rk + (bos + o_t) * H + i_h, b_rk, mask=o_t < T_n)
+    store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
 
 
 @triton.jit
@@ -334,33 +373,70 @@ def inverse_blocks(
 
 
 @triton.jit
+def wy_product(b_Th, b_Tl, b_x, PREC: tl.constexpr, WY_PREC: tl.constexpr):
+    """``Tm @ b_x`` ([BT, BT] x [BT, BKS] -> [BT, BKS] float32) for the WY factors, with ``b_Th`` (and ``b_Tl``)
+    from :func:`wy_inverse_operands`. ``WY_PREC`` "tf32": tf32 operands (``PREC``); "bf16": both in bf16, as fla's
+    w / u products; "bf16x2": the inverse split into bf16 high and low parts, so only ``b_x`` is rounded to
+    bf16 (two products). float32 inputs (``PREC`` "ieee") are always exact."""
+    if WY_PREC == "tf32" or PREC != "tf32":
+        b_y = mm_rounded(b_Th, tf32_operand(b_x, PREC), tl.zeros_like(b_x), PREC)
+    else:
+        b_xh = cast(b_x, tl.bfloat16)
+        b_y = mm(b_Th, b_xh, PREC)
+        if WY_PREC == "bf16x2":
+            b_y += mm(b_Tl, b_xh, PREC)
+    return b_y
+
+
+@triton.jit
+def wy_inverse_operands(b_T, PREC: tl.constexpr, WY_PREC: tl.constexpr):
+    """The inverse ([BT, BT] float32) as :func:`wy_product` takes it: (high, low) parts; the low part is only
+    used by "bf16x2"."""
+    if WY_PREC == "tf32" or PREC != "tf32":
+        # rounded to tf32 once for the eight products (mm would round it again for each)
+        b_Th = tf32_operand(b_T, PREC)
+        b_Tl = b_Th
+    else:
+        b_Th = cast(b_T, tl.bfloat16)
+        b_Tl = cast(b_T - b_Th.to(tl.float32), tl.bfloat16)
+    return b_Th, b_Tl
+
+
+@triton.jit
 def wy_products(
     q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, WY_PREC: tl.constexpr, SIDES: tl.constexpr, i_s,
 ):
-    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32)."""
-    # rounded to tf32 once for the eight products below (mm would round it again for each)
-    b_T = tf32_operand(b_T, PREC)                                          # [BT, BT]
+    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
+    key side (w, qg, kg, decay) and the value side (u), or with ``SIDES`` 2 side ``i_s`` (0: key, 1: value)."""
+    key_side = True
+    value_side = True
+    if SIDES == 2:
+        key_side = i_s == 0
+        value_side = i_s == 1
+    b_Th, b_Tl = wy_inverse_operands(b_T, PREC, WY_PREC)                   # [BT, BT] x2
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
-    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
-    for c0 in range(0, K, BKS):
-        o_k = c0 + tl.arange(0, BKS)
-        b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2, [BKS]
-        b_eG = fast_exp(b_G)
-        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
-        b_w = mm_rounded(b_T, tf32_operand(b_k * b_eG * b_beta[:, None], PREC), tl.zeros([BT, BKS], tl.float32), PREC)
-        store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
-    for c0 in range(0, V, BV):
-        o_v = c0 + tl.arange(0, BV)
-        b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32) * b_beta[:, None]  # [BT, BV]
-        b_u = mm_rounded(b_T, tf32_operand(b_v, PREC), tl.zeros([BT, BV], tl.float32), PREC)
-        store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
+    if key_side:
+        b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)         # [BT] x2
+        for c0 in range(0, K, BKS):
+            o_k = c0 + tl.arange(0, BKS)
+            b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2, [BKS]
+            b_eG = fast_exp(b_G)
+            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+            b_w = wy_product(b_Th, b_Tl, b_k * b_eG * b_beta[:, None], PREC, WY_PREC)
+            store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+            store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+            store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
+            tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
+    if value_side:
+        for c0 in range(0, V, BV):
+            o_v = c0 + tl.arange(0, BV)
+            b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32) * b_beta[:, None]  # [BT, BV]
+            b_u = wy_product(b_Th, b_Tl, b_v, PREC, WY_PREC)
+            store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
 
 
 @triton.jit
@@ -373,6 +449,7 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr, STAGE: tl.constexpr,
+    WY_PREC: tl.constexpr, SIDES: tl.constexpr,
 ):
     """The inverse (``STAGE`` 0 or 1) and the WY factors (``STAGE`` 0 or 2): one kernel by default, or two launches
     (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps; ``STAGE`` 2
@@ -387,5 +464,7 @@ def chunk_kda_fwd_wy_kernel(
         tl.debug_barrier()
     if STAGE != 1:
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
+        i_s = tl.program_id(2)                                             # the side, with SIDES == 2
         wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
-                    H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC)
+                    H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, WY_PREC,
+                    SIDES, i_s)
