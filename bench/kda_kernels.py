@@ -611,10 +611,11 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(wy_regs=160), dict(wy_prec="bf16x2")]
+SWEEP_FWD = [dict(), dict(scores_tma=True, scores_stages=3), dict(scores_tma=True, scores_stages=4),
+             dict(wy_stages=4)]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
-SWEEP_BWD = [dict(), dict(wy_regs=160)]
+SWEEP_BWD = [dict(), dict(wy_stages=4)]
 
 
 def sweep_configs(fla_chunk, case: str = "") -> None:

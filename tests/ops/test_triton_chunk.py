@@ -226,14 +226,30 @@ def test_l2norm_factors_from_scores_or_prepare(dtype, norms_in_scores):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
-@pytest.mark.parametrize("cfg", [dict(wy_prec="bf16"), dict(wy_prec="bf16x2"), dict(wy_split=True, wy_sides=2),
-                                 dict(wy_stages=1)], ids=str)
+@pytest.mark.parametrize("cfg", [dict(wy_prec="bf16"), dict(wy_prec="bf16x2"), dict(wy_stages=1)], ids=str)
 def test_wy_product_options(cfg):
-    """The opt-in WY product variants (bf16 operands as fla's w / u, the inverse in two bf16 parts, key and value
-    sides in programs of their own, no pipelining) against the reference at the bf16 bar, with a length that is
+    """The opt-in WY product variants (bf16 operands as fla's w / u, the inverse in two bf16 parts, no
+    pipelining) against the reference at the bf16 bar, with a length that is
     not a multiple of the chunk and K not a multiple of the channel step."""
     x = make_inputs(B=2, T=70, H=1, HV=2, K=80, V=48, dtype=torch.bfloat16, seed=47)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 80 ** -0.5, x["initial_state"], True,
                          NO_OPTIONS, None, cfg=LaunchConfig(**cfg))
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
+
+
+@pytest.mark.parametrize("cfg", [dict(wy_tma=True), dict(wy_tma=True, scores_tma=True, scores_stages=3),
+                                 dict(wy_tma=False)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_descriptor_tiles(cfg, dtype):
+    """q, k, v and gP tiles through TMA descriptors over the [rows, heads x width] views (chunk_wy.chunk_tile):
+    two sequences of 130 tokens, so the last chunk of the first reads the second's rows (they must count as
+    zero), GVA, l2norm, against the reference; and the same numbers as pointer loads."""
+    x = make_inputs(B=2, T=130, H=1, HV=2, K=64, V=32, dtype=dtype, seed=48)
+    opts = KernelOptions(use_qk_l2norm_in_kernel=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True, opts, None)
+    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(**cfg))
+    o_ref, S_ref = reference(x, opts)
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+    o_ptr, _ = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_tma=False))
+    assert torch.equal(o, o_ptr)

@@ -327,8 +327,14 @@ def separable_exponent(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
     # totals first, then the tile: gate_tiles' order (tile first) compiles the separable scores kernel to other
     # machine code (160 registers instead of 168) that has not been checked on the GPU yet
     b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
-    return (load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-            + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
+    return separable_offset(load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT), b_t0, b_t1, b_t2, s_r)
+
+
+@triton.jit
+def separable_offset(b_P, b_t0, b_t1, b_t2, s_r):
+    """``D = G - G_31`` of :func:`separable_exponent` from the loaded gP tile ([BT, BKS]) and the totals of
+    sub-blocks 0-2 ([BKS] each)."""
+    return (b_P + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
             - tl.where(s_r == 0, b_t0[None, :], 0.0))
 
 
@@ -348,9 +354,15 @@ def chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, 
     """For the whole chunk at channels o_k: (G [BT, BKS] chunk prefix, Gs [BT, BKS] chunk suffix after the row
     (G_C - G), G_C [BKS]), each a sum of non-positive terms (see the module docstring). Rows past T_n hold
     don't-care finite values."""
+    b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS] x4
+    return gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT, BC)
+
+
+@triton.jit
+def gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr):
+    """:func:`chunk_gate_terms` from a loaded gP tile ([BT, BKS]) and the four sub-block totals ([BKS] each)."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
-    b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS] x4
     s = (o_t // BC)[:, None]                                                # [BT, 1] sub-block of each row
     b_before = (tl.where(s >= 1, b_t0[None, :], 0.0) + tl.where(s >= 2, b_t1[None, :], 0.0)
                 + tl.where(s >= 3, b_t2[None, :], 0.0))                      # [BT, BKS]

@@ -21,6 +21,7 @@ and for every other input dtype. gP, the inverse and the state in the scan are a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,15 @@ class LaunchConfig:
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
+    # The WY products' q, k, v and gP tiles through TMA tensor descriptors (chunk_wy.chunk_tile), which Triton's
+    # software pipeliner prefetches into shared memory (Nsight Compute, 2026-12-01: the products waited on their
+    # pointer loads, which it does not pipeline). H200: WY kernel 1.77 -> 1.64 ms, the backward's recompute 1.12 ->
+    # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
+    wy_tma: bool = True
+    # The same for the separable scores' q, k and gP tiles (chunk_wy.separable_scores); it needs scores_stages > 1
+    # to prefetch. H200 sweep, 16 x 2048 softplus, with scores_stages=3: scores 0.98 -> 0.89 ms, outputs
+    # bit-identical; not yet run through the full-size checks (varlen, float32, 2^20 tokens), so off
+    scores_tma: bool = False
     # The four diagonal 16x16 blocks of the inverse in one [4, 16, 16] substitution (H200, 2026-12-01: WY kernel
     # 1.75-1.76 ms against 2.10 for four [16, 16] ones in turn, False)
     wy_batched_inverse: bool = True
@@ -79,9 +89,6 @@ class LaunchConfig:
     # The WY products Tm @ (beta k exp(G)) and Tm @ (beta v) for 16-bit inputs (chunk_wy.wy_product): "tf32",
     # "bf16" (both operands rounded to bf16, as fla's w / u) or "bf16x2" (Tm in two bf16 parts)
     wy_prec: str = "tf32"
-    # Programs per chunk of the WY products from an inverse in memory (wy_split, or the backward's recompute): 2
-    # puts the key side (w, qg, kg) and the value side (u) in programs of their own
-    wy_sides: int = 1
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64)
@@ -133,8 +140,6 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.scores_halves must be 'off', 'own' or 'merged', got {self.scores_halves!r}")
         if self.wy_prec not in ("tf32", "bf16", "bf16x2"):
             raise ValueError(f"LaunchConfig.wy_prec must be 'tf32', 'bf16' or 'bf16x2', got {self.wy_prec!r}")
-        if self.wy_sides not in (1, 2):
-            raise ValueError(f"LaunchConfig.wy_sides must be 1 or 2, got {self.wy_sides}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
             raise ValueError(f"LaunchConfig.bwd_intra_prec must be 'tf32', 'tf32x3' or 'ieee', got "
                              f"{self.bwd_intra_prec!r}")
@@ -252,6 +257,28 @@ class Problem:
                     USE_LOWER_BOUND=o.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None)
 
 
+def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int) -> dict:
+    """Tensor-descriptor arguments of a kernel (chunk_wy.chunk_tile): TMA descriptors of the ``tensors`` ([B, T,
+    heads, width] each, named ``d_*``; v's width steps by bv, the others' by bks) over their [rows, heads x
+    width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible by the steps,
+    16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
+    if p.device.type == "cuda":
+        on_device = torch.cuda.get_device_capability(p.device)[0] >= 9          # TMA: Hopper and later
+    else:
+        on_device = os.environ.get("TRITON_INTERPRET", "0") == "1"               # the interpreter has descriptors
+    usable = (wanted and on_device and p.K % bks == 0 and p.V % bv == 0
+              and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
+                      for x in tensors.values()))
+    if not usable:
+        return dict(tensors, TMA=False)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(x, step):
+        return TensorDescriptor.from_tensor(x.view(-1, x.shape[2] * x.shape[3]), [BT, step])
+
+    return dict({n: desc(x, bv if n == "d_v" else bks) for n, x in tensors.items()}, TMA=True)
+
+
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
                    store_states: bool = True, kept: Kept | None = None) -> Pieces:
     """Kernels (a)-(e) on contiguous inputs; with ``kept`` (the backward, LaunchConfig.keep_scores) the score
@@ -282,6 +309,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
               NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse, WY_PREC=cfg.wy_prec)
+    wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
@@ -290,19 +318,19 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # memory than the H200 has (262144 bytes against 232448, GPU check of 2026-12-01)
         halves = {"off": 0, "own": 1, "merged": 2}[cfg.scores_halves] if p.prec == "tf32" else 0
         paths = [(True, False), (False, True)] if halves == 1 else [(True, False)]
+        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable, halves_path in paths + [(False, False)]:
             chunk_kda_fwd_scores_kernel[(NT, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
-                HALVES=halves, HALVES_PATH=halves_path, NORMS=norms and cfg.norms_in_scores, num_warps=cfg.scores_warps,
+                HALVES=halves, HALVES_PATH=halves_path, **tiles, NORMS=norms and cfg.norms_in_scores,
+                num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
     if cfg.wy_split and kept is None:
-        chunk_kda_fwd_wy_kernel[(NT, HV, 1)](STAGE=1, SIDES=1, num_warps=cfg.inv_warps, **wy, **shared)
+        chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse in memory
-    stage = 2 if cfg.wy_split or kept is not None else 0
-    sides = cfg.wy_sides if stage == 2 else 1
-    chunk_kda_fwd_wy_kernel[(NT, HV, sides)](STAGE=stage, SIDES=sides, num_warps=cfg.wy_warps,
-                                             num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
+    chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=2 if cfg.wy_split or kept is not None else 0, num_warps=cfg.wy_warps,
+                                      num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None

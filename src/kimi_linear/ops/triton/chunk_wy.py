@@ -35,6 +35,7 @@ from .chunk_common import (
     diagonal_block_inverse,
     diagonal_block_inverses,
     fast_exp,
+    gate_terms,
     gate_tiles,
     load_beta,
     load_norms,
@@ -42,7 +43,9 @@ from .chunk_common import (
     mm,
     mm_rounded,
     separable_exponent,
+    separable_offset,
     store_rows,
+    sub_block_totals,
     sub_blocks_bounded,
     tf32_operand,
 )
@@ -160,11 +163,14 @@ def separable_scores(
     q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, MIDPOINT: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
     ``D_i = G_i - R`` (chunk_common.separable_exponent), ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel
     step is one product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs
-    (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away."""
+    (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. ``TMA``
+    (LaunchConfig.scores_tma, not with ``MIDPOINT``): the q, k and gP tiles through the descriptors ``d_*``
+    (:func:`chunk_tile`)."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
@@ -172,11 +178,16 @@ def separable_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC, MIDPOINT)   # [BT, BKS]
+        if TMA:
+            b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
+            b_D = separable_offset(chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA),
+                                   b_t0, b_t1, b_t2, s_r)                  # [BT, BKS]
+        else:
+            b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC, MIDPOINT)   # [BT, BKS]
         b_er = fast_exp(b_D)                                               # [BT, BKS]
-        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+        b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
         b_aq = mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_aq, PREC)
         b_ak = mm_rounded(tf32_operand(b_k * b_er, PREC), b_ct, b_ak, PREC)
     return b_aq, b_ak
@@ -240,6 +251,7 @@ def chunk_kda_fwd_scores_kernel(
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr, HALVES: tl.constexpr, HALVES_PATH: tl.constexpr,
     NORMS: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -255,7 +267,7 @@ def chunk_kda_fwd_scores_kernel(
     if SEPARABLE:
         if sep:
             b_aq, b_ak = separable_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                                          L2, PREC, MIDPOINT)
+                                          L2, PREC, MIDPOINT, d_q, d_k, d_gP, TMA and not MIDPOINT)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
     elif HALVES_PATH:
         if not sep:
@@ -403,40 +415,56 @@ def wy_inverse_operands(b_T, PREC: tl.constexpr, WY_PREC: tl.constexpr):
 
 
 @triton.jit
+def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0, BKS: tl.constexpr, BT: tl.constexpr,
+            TMA: tl.constexpr):
+    """Rows t0 .. t0 + BT of a ``[*, NH, W]`` tensor at columns c0 .. c0 + BKS of head i_h, zero past T_n: by
+    pointers (:func:`chunk_common.load_rows`) or, with ``TMA``, through the tensor descriptor ``d_p`` over its
+    [rows, NH * W] view (block [BT, BKS]; W a multiple of BKS), which Triton's software pipeliner can issue
+    ``num_stages - 1`` steps ahead into shared memory (pointer loads that feed elementwise work first are not)."""
+    if TMA:
+        b_x = d_p.load([(bos + t0).to(tl.int32), i_h * W + c0])
+        # rows past T_n are the next sequence's: no kept entry reads them (beta is 0 there, scores above the
+        # diagonal are dropped), but zeros keep the tiles, and so every output bit, equal to the pointer loads'
+        b_x = tl.where(((t0 + tl.arange(0, BT)) < T_n)[:, None], b_x, 0.0)
+    else:
+        b_x = load_rows(p, bos, t0, T_n, i_h, NH, W, c0 + tl.arange(0, BKS), BT)
+    return b_x
+
+
+@triton.jit
 def wy_products(
     q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, WY_PREC: tl.constexpr, SIDES: tl.constexpr, i_s,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, WY_PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, qg, kg, decay) and the value side (u), or with ``SIDES`` 2 side ``i_s`` (0: key, 1: value)."""
-    key_side = True
-    value_side = True
-    if SIDES == 2:
-        key_side = i_s == 0
-        value_side = i_s == 1
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
+    through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
     b_Th, b_Tl = wy_inverse_operands(b_T, PREC, WY_PREC)                   # [BT, BT] x2
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
-    if key_side:
-        b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)         # [BT] x2
-        for c0 in range(0, K, BKS):
-            o_k = c0 + tl.arange(0, BKS)
-            b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2, [BKS]
-            b_eG = fast_exp(b_G)
-            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
-            b_w = wy_product(b_Th, b_Tl, b_k * b_eG * b_beta[:, None], PREC, WY_PREC)
-            store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-            store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-            store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
-            tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
-    if value_side:
-        for c0 in range(0, V, BV):
-            o_v = c0 + tl.arange(0, BV)
-            b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32) * b_beta[:, None]  # [BT, BV]
-            b_u = wy_product(b_Th, b_Tl, b_v, PREC, WY_PREC)
-            store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        if TMA:
+            b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
+            b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
+            b_G, b_Gs, b_GC = gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT, BC)
+        else:
+            b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
+        b_eG = fast_exp(b_G)
+        b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
+        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
+        b_w = wy_product(b_Th, b_Tl, b_k * b_eG * b_beta[:, None], PREC, WY_PREC)
+        store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
+    for c0 in range(0, V, BV):
+        o_v = c0 + tl.arange(0, BV)
+        b_v = chunk_tile(v, d_v, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA).to(tl.float32) * b_beta[:, None]
+        b_u = wy_product(b_Th, b_Tl, b_v, PREC, WY_PREC)
+        store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
 
 
 @triton.jit
@@ -449,7 +477,8 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr, STAGE: tl.constexpr,
-    WY_PREC: tl.constexpr, SIDES: tl.constexpr,
+    WY_PREC: tl.constexpr,
+    d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse (``STAGE`` 0 or 1) and the WY factors (``STAGE`` 0 or 2): one kernel by default, or two launches
     (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps; ``STAGE`` 2
@@ -464,7 +493,6 @@ def chunk_kda_fwd_wy_kernel(
         tl.debug_barrier()
     if STAGE != 1:
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
-        i_s = tl.program_id(2)                                             # the side, with SIDES == 2
         wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                     H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, WY_PREC,
-                    SIDES, i_s)
+                    d_q, d_k, d_v, d_gP, TMA)
