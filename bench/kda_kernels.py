@@ -612,10 +612,10 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
 SWEEP_FWD = [dict(), dict(scores_tma=True, scores_stages=3), dict(scores_tma=True, scores_stages=4),
-             dict(wy_stages=4)]
+             dict(wy_stages=4), dict(wy_prec="bf16x3"), dict(wy_prec="bf16x3", scores_tma=True, scores_stages=3)]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
-SWEEP_BWD = [dict(), dict(wy_stages=4)]
+SWEEP_BWD = [dict(), dict(wy_stages=4), dict(wy_prec="bf16x3")]
 
 
 def sweep_configs(fla_chunk, case: str = "") -> None:

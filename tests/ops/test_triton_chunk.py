@@ -226,10 +226,11 @@ def test_l2norm_factors_from_scores_or_prepare(dtype, norms_in_scores):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
-@pytest.mark.parametrize("cfg", [dict(wy_prec="bf16"), dict(wy_prec="bf16x2"), dict(wy_stages=1)], ids=str)
+@pytest.mark.parametrize("cfg", [dict(wy_prec="bf16"), dict(wy_prec="bf16x2"), dict(wy_prec="bf16x3"),
+                                 dict(wy_stages=1)], ids=str)
 def test_wy_product_options(cfg):
-    """The opt-in WY product variants (bf16 operands as fla's w / u, the inverse in two bf16 parts, no
-    pipelining) against the reference at the bf16 bar, with a length that is
+    """The opt-in WY product variants (bf16 operands as fla's w / u, the inverse in two bf16 parts, both split
+    into three products, no pipelining) against the reference at the bf16 bar, with a length that is
     not a multiple of the chunk and K not a multiple of the channel step."""
     x = make_inputs(B=2, T=70, H=1, HV=2, K=80, V=48, dtype=torch.bfloat16, seed=47)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 80 ** -0.5, x["initial_state"], True,
@@ -253,3 +254,14 @@ def test_tensor_descriptor_tiles(cfg, dtype):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
     o_ptr, _ = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_tma=False))
     assert torch.equal(o, o_ptr)
+
+
+def test_wy_bf16x3_is_as_accurate_as_tf32():
+    """Split operands and inverse (three bf16 products) keep the WY factors at least as close to the reference as
+    tf32 products, where one bf16 product (fla's choice) roughly doubles the error of the output."""
+    x = make_inputs(B=1, T=128, H=1, HV=1, K=64, V=64, dtype=torch.bfloat16, seed=49)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True, NO_OPTIONS, None)
+    o_ref = reference(x, NO_OPTIONS)[0]
+    err = {p: rel_err(chunk_kda_fwd(*args, cfg=LaunchConfig(wy_prec=p, store="float32"))[0], o_ref)
+           for p in ("tf32", "bf16", "bf16x3")}
+    assert err["bf16x3"] <= 1.1 * err["tf32"] < err["bf16"]

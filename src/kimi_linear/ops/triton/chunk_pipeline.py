@@ -87,7 +87,9 @@ class LaunchConfig:
     wy_split: bool = False
     inv_warps: int = 4
     # The WY products Tm @ (beta k exp(G)) and Tm @ (beta v) for 16-bit inputs (chunk_wy.wy_product): "tf32",
-    # "bf16" (both operands rounded to bf16, as fla's w / u) or "bf16x2" (Tm in two bf16 parts)
+    # "bf16" (both operands rounded to bf16, as fla's w / u), "bf16x2" (Tm in two bf16 parts) or "bf16x3" (both
+    # split, three products). H200, 2026-12-01, WY kernel: bf16 1.60 and bf16x2 1.65 ms against 1.77, but their
+    # outputs differ from tf32's by as much as tf32's from the reference; bf16x3 not yet timed
     wy_prec: str = "tf32"
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
@@ -138,8 +140,9 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
         if self.scores_halves not in ("off", "own", "merged"):
             raise ValueError(f"LaunchConfig.scores_halves must be 'off', 'own' or 'merged', got {self.scores_halves!r}")
-        if self.wy_prec not in ("tf32", "bf16", "bf16x2"):
-            raise ValueError(f"LaunchConfig.wy_prec must be 'tf32', 'bf16' or 'bf16x2', got {self.wy_prec!r}")
+        if self.wy_prec not in ("tf32", "bf16", "bf16x2", "bf16x3"):
+            raise ValueError(f"LaunchConfig.wy_prec must be 'tf32', 'bf16', 'bf16x2' or 'bf16x3', got "
+                             f"{self.wy_prec!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
             raise ValueError(f"LaunchConfig.bwd_intra_prec must be 'tf32', 'tf32x3' or 'ieee', got "
                              f"{self.bwd_intra_prec!r}")

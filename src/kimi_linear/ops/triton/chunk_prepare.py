@@ -2,9 +2,11 @@
 
 One program per (chunk, value head). It applies the gate formula (``use_gate_in_kernel``) to the raw gate and stores
 ``gP``, the inclusive sum of the gate inside each 16-row sub-block (float32; see chunk_common.py for how every
-later kernel turns it into decay factors without overflow or large-sum cancellation). With l2norm, the program of
-the first value head of each q/k head also stores ``rq = 1 / sqrt(sum q^2 + 1e-6)`` and ``rk`` per row: later
-kernels multiply rows of q and k by them as they load, so normalised copies of q and k never go to memory.
+later kernel turns it into decay factors without overflow or large-sum cancellation). With l2norm and
+``LaunchConfig(norms_in_scores=False)``, the program of the first value head of each q/k head also stores
+``rq = 1 / sqrt(sum q^2 + 1e-6)`` and ``rk`` per row (by default the scores kernel does, chunk_wy.finish_scores,
+so that this kernel reads only the gate): later kernels multiply rows of q and k by them as they load, so
+normalised copies of q and k never go to memory.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@
 
 as [BT, BKS] x [BKS, BT] tensor-core products per channel step. Two launches: chunks whose gate falls by less than
 HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step
-(:func:`separable_scores`); the others take three with factors all <= 1, linked between 16-row sub-blocks by
-per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their diagonal blocks use
-``exp(gP_i) exp(-gP_j)`` when every sub-block's gate sum is above -SAFE_EXP, else every pair's
-``exp(gP_i - gP_j)`` explicitly (strong decay, e.g. padding gates of -1000).
+(:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
+sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
+between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
+diagonal blocks use ``exp(gP_i) exp(-gP_j)`` when every sub-block's gate sum is above -SAFE_EXP, else every
+pair's ``exp(gP_i - gP_j)`` explicitly (strong decay, e.g. padding gates of -1000). With l2norm the paths run on
+raw q and k and :func:`finish_scores` applies (and stores) the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
 blocks (forward substitution on the diagonal blocks, block products below), stores the inverse ``Tm``
@@ -389,21 +391,24 @@ def wy_product(b_Th, b_Tl, b_x, PREC: tl.constexpr, WY_PREC: tl.constexpr):
     """``Tm @ b_x`` ([BT, BT] x [BT, BKS] -> [BT, BKS] float32) for the WY factors, with ``b_Th`` (and ``b_Tl``)
     from :func:`wy_inverse_operands`. ``WY_PREC`` "tf32": tf32 operands (``PREC``); "bf16": both in bf16, as fla's
     w / u products; "bf16x2": the inverse split into bf16 high and low parts, so only ``b_x`` is rounded to
-    bf16 (two products). float32 inputs (``PREC`` "ieee") are always exact."""
+    bf16 (two products); "bf16x3": both split, three products (hi hi, lo hi, hi lo: about 16 bits of mantissa,
+    more than tf32's 10). float32 inputs (``PREC`` "ieee") are always exact."""
     if WY_PREC == "tf32" or PREC != "tf32":
         b_y = mm_rounded(b_Th, tf32_operand(b_x, PREC), tl.zeros_like(b_x), PREC)
     else:
         b_xh = cast(b_x, tl.bfloat16)
         b_y = mm(b_Th, b_xh, PREC)
-        if WY_PREC == "bf16x2":
+        if WY_PREC != "bf16":
             b_y += mm(b_Tl, b_xh, PREC)
+        if WY_PREC == "bf16x3":
+            b_y += mm(b_Th, cast(b_x - b_xh.to(tl.float32), tl.bfloat16), PREC)
     return b_y
 
 
 @triton.jit
 def wy_inverse_operands(b_T, PREC: tl.constexpr, WY_PREC: tl.constexpr):
     """The inverse ([BT, BT] float32) as :func:`wy_product` takes it: (high, low) parts; the low part is only
-    used by "bf16x2"."""
+    used by "bf16x2" and "bf16x3"."""
     if WY_PREC == "tf32" or PREC != "tf32":
         # rounded to tf32 once for the eight products (mm would round it again for each)
         b_Th = tf32_operand(b_T, PREC)
