@@ -683,9 +683,12 @@ def sweep_configs(fla_chunk, case: str = "") -> None:
 # ------------------------------------------------------------------------------------------------- offline sm_90 build
 def offline_sm90(cfg_json: str) -> int:
     """Compile every kernel launch of the pipeline's forward and backward for sm_90 without a GPU (Triton's own
-    ptxas and cuobjdump) and print registers, stack (spills) and product instructions per kernel. The launches are
-    captured from a CPU run with the kernels not executed; pointer and int arguments get the 16-divisibility the
-    JIT would see on real allocations (without it every load compiles scalar)."""
+    ptxas and cuobjdump) and print registers, stack (spills), shared memory against the H200's limit and product
+    instructions per kernel, for bf16 and for float32 inputs. The launches are captured from a CPU run with the
+    kernels not executed; pointer and int arguments get the 16-divisibility the JIT would see on real allocations
+    (without it every load compiles scalar), tensor descriptors their block types. Caveat: ptxas of the local
+    Triton, not the GPU machine's 3.6 (the 16-bit kernels matched it so far; float32 ones show 32 registers and
+    large stacks here, not yet compared with the GPU)."""
     import re
     import subprocess
     import tempfile
@@ -693,26 +696,33 @@ def offline_sm90(cfg_json: str) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction, mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
 
-    launches = []
-    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, kw))
+    launches, inputs = [], {}
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, kw, inputs["dtype"]))
+    # tensor descriptors (LaunchConfig.wy_tma / scores_tma) are built off the GPU only for the interpreter; the
+    # kernels themselves were already compiled for the hardware path at import
+    os.environ["TRITON_INTERPRET"] = "1"
     B, T, H, HV, K, V = 1, 256, 2, 2, S.D, S.D
-    rnd = lambda *s, dt=torch.bfloat16: torch.randn(*s).to(dt)
-    x = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V), g=rnd(B, T, HV, K), beta=rnd(B, T, HV))
     cfg = LaunchConfig(**json.loads(cfg_json or "{}"))
-    for lb in (None, -5.0):
-        o_ = KernelOptions(True, True, True, False, torch.randn(HV), torch.randn(HV * K), lb)
-        h0 = torch.randn(B, HV, K, V)
-        chunk_kda_fwd_pipeline(*args5(x), K ** -0.5, h0, True, o_, None, cfg)
-        chunk_kda_bwd_pipeline(*args5(x), K ** -0.5, h0, o_, None, rnd(B, T, HV, V), torch.randn(B, HV, K, V), cfg)
+    for dt in (torch.bfloat16, torch.float32):          # float32 inputs: exact products, float32 intermediates
+        inputs["dtype"] = "f32" if dt == torch.float32 else "bf16"
+        rnd = lambda *s: torch.randn(*s).to(dt)  # noqa: E731
+        x = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V), g=rnd(B, T, HV, K), beta=rnd(B, T, HV))
+        for lb in (None, -5.0):
+            o_ = KernelOptions(True, True, True, False, torch.randn(HV), torch.randn(HV * K), lb)
+            h0 = torch.randn(B, HV, K, V)
+            chunk_kda_fwd_pipeline(*args5(x), K ** -0.5, h0, True, o_, None, cfg)
+            chunk_kda_bwd_pipeline(*args5(x), K ** -0.5, h0, o_, None, rnd(B, T, HV, V), torch.randn(B, HV, K, V),
+                                   cfg)
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
            torch.int64: "*i64"}
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     seen = set()
-    for fn, kw in launches:
+    for fn, kw, dtypes in launches:
         nw, ns, nreg = kw.pop("num_warps", 4), kw.pop("num_stages", 3), kw.pop("maxnreg", None)
         sig, const, attrs = {}, {}, {}
         for prm in fn.params:
@@ -722,13 +732,15 @@ def offline_sm90(cfg_json: str) -> int:
             elif isinstance(val, torch.Tensor):
                 sig[prm.name] = ptr[val.dtype]
                 attrs[(prm.num,)] = [["tt.divisibility", 16]]
+            elif isinstance(val, TensorDescriptor):
+                sig[prm.name] = mangle_type(val)                          # "tensordesc<bf16[64, 32]>"
             elif isinstance(val, int):
                 sig[prm.name] = "i32"
                 if val % 16 == 0:
                     attrs[(prm.num,)] = [["tt.divisibility", 16]]
             else:
                 sig[prm.name] = "fp32"
-        key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), nw, ns, nreg)
+        key = (fn.__name__, json.dumps(const, default=str, sort_keys=True), json.dumps(sig), nw, ns, nreg)
         if key in seen or SASS_KERNEL not in fn.__name__:
             continue
         seen.add(key)
@@ -748,9 +760,12 @@ def offline_sm90(cfg_json: str) -> int:
         if SASS_DIR:
             with open(os.path.join(SASS_DIR, f"{fn.__name__}.{len(seen)}.sass"), "w") as f_out:
                 f_out.write(sass)
-        m = re.search(r"REG:(\d+) STACK:(\d+)", use)
+        # the kernel's own line (a cubin may list helper functions before it)
+        m = (re.search(rf"Function {fn.__name__}:.*?(REG:\d+ STACK:\d+)", use, re.S)
+             or re.search(r"(REG:\d+ STACK:\d+)", use))
         ops = " ".join(f"{o} {len(re.findall(o, sass))}" for o in ("HGMMA", "HMMA", "STL", "LDL"))
-        say(f"{fn.__name__:32s} warps {nw} stages {ns}: {m.group(0) if m else '?'}; {ops}")
+        say(f"{fn.__name__:28s} {dtypes:4s} warps {nw} stages {ns}: {m.group(1) if m else '?'} "
+            f"SMEM:{ck.metadata.shared} (H200: 232448); {ops}")
     return 0
 
 
