@@ -272,9 +272,12 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
     usable = (wanted and on_device and p.K % bks == 0 and p.V % bv == 0
               and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
                       for x in tensors.values()))
+    try:  # host-side descriptors arrived in Triton 3.3 (torch 2.5 brings 3.1): older ones load by pointers
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        usable = False
     if not usable:
         return dict(tensors, TMA=False)
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     def desc(x, step):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[2] * x.shape[3]), [BT, step])
