@@ -320,8 +320,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                   BC=BC, **flags)
     if kept is None:
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
-        # float32 inputs keep the sub-block scheme: the merged kernel's exact float32 products ask for more shared
-        # memory than the H200 has (262144 bytes against 232448, GPU check of 2026-12-01)
+        # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
+        # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = {"off": 0, "own": 1, "merged": 2}[cfg.scores_halves] if p.prec == "tf32" else 0
         paths = [(True, False), (False, True)] if halves == 1 else [(True, False)]
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
