@@ -225,6 +225,28 @@ def load_norms(rq, rk, bos, r0, T_n, i_h, H: tl.constexpr, BR: tl.constexpr, USE
 
 
 @triton.jit
+def row_inv_norms(x, bos, t0, T_n, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr):
+    """l2norm's ``1 / sqrt(sum_c x_tc^2 + 1e-6)`` of the chunk's rows of ``x`` [B, T, H, K], BKS channels a step:
+    [BT] float32."""
+    b_s = tl.zeros([BT], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        b_x = load_rows(x, bos, t0, T_n, i_h, H, K, c0 + tl.arange(0, BKS), BT).to(tl.float32)   # [BT, BKS]
+        b_s += tl.sum(b_x * b_x, 1)
+    return tl.rsqrt(b_s + 1e-6)
+
+
+@triton.jit
+def store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                    BT: tl.constexpr):
+    """Store the chunk's l2norm row factors ([BT] each) into rq and rk ([B, T, H]) from the program of the first
+    value head of each q/k head (one writer)."""
+    if i_hv % (HV // H) == 0:
+        o_t = t0 + tl.arange(0, BT)
+        tl.store(rq + (bos + o_t) * H + i_h, b_rq, mask=o_t < T_n)
+        tl.store(rk + (bos + o_t) * H + i_h, b_rk, mask=o_t < T_n)
+
+
+@triton.jit
 def beta_transform(b_b, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
     """The in-kernel beta transform of float32 logits (sigmoid, doubled for negative eigenvalues), or as is."""
     if USE_SIGMOID:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import chunk_coords, load_rows, store_rows
+from .chunk_common import chunk_coords, load_rows, row_inv_norms, store_row_norms, store_rows
 from .transforms import kda_gate
 
 
@@ -52,10 +52,7 @@ def chunk_kda_prepare_kernel(
 
     if USE_QK_L2NORM:
         i_h = i_hv // (HV // H)
-        if i_hv % (HV // H) == 0:                                          # one writer per q/k head
-            o_t = t0 + tl.arange(0, BT)
-            m_t = o_t < T_n
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BK]
-            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BK]
-            tl.store(rq + (bos + o_t) * H + i_h, tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6), mask=m_t)
-            tl.store(rk + (bos + o_t) * H + i_h, tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6), mask=m_t)
+        if i_hv % (HV // H) == 0:                                          # only the writer computes them here
+            b_rq = row_inv_norms(q, bos, t0, T_n, i_h, H, K, BT, BK)      # [BT], the whole row in one step
+            b_rk = row_inv_norms(k, bos, t0, T_n, i_h, H, K, BT, BK)
+            store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, BT)

@@ -44,8 +44,10 @@ from .chunk_common import (
     load_rows,
     mm,
     mm_rounded,
+    row_inv_norms,
     separable_exponent,
     separable_offset,
+    store_row_norms,
     store_rows,
     sub_block_totals,
     sub_blocks_bounded,
@@ -289,16 +291,6 @@ def chunk_kda_fwd_scores_kernel(
 
 
 @triton.jit
-def row_inv_norms(x, bos, t0, T_n, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr):
-    """``1 / sqrt(sum_c x_tc^2 + 1e-6)`` of the chunk's rows of ``x`` [B, T, H, K] (l2norm), [BT] float32."""
-    b_s = tl.zeros([BT], dtype=tl.float32)
-    for c0 in range(0, K, BKS):
-        b_x = load_rows(x, bos, t0, T_n, i_h, H, K, c0 + tl.arange(0, BKS), BT).to(tl.float32)   # [BT, BKS]
-        b_s += tl.sum(b_x * b_x, 1)
-    return tl.rsqrt(b_s + 1e-6)
-
-
-@triton.jit
 def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, NORMS: tl.constexpr):
     """Store a chunk's scores. ``NORMS`` (l2norm with LaunchConfig.norms_in_scores): the path ran on raw q and k,
@@ -310,10 +302,7 @@ def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H
         b_rk = row_inv_norms(k, bos, t0, T_n, i_h, H, K, BT, BKS)
         b_aq = b_aq * b_rq[:, None] * b_rk[None, :]
         b_ak = b_ak * b_rk[:, None] * b_rk[None, :]
-        if i_hv % (HV // H) == 0:                                          # one writer per q/k head
-            o_t = t0 + tl.arange(0, BT)
-            tl.store(rq + (bos + o_t) * H + i_h, b_rq, mask=o_t < T_n)
-            tl.store(rk + (bos + o_t) * H + i_h, b_rk, mask=o_t < T_n)
+        store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, BT)
     store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
 
 
@@ -421,7 +410,7 @@ def wy_inverse_operands(b_T, PREC: tl.constexpr, WY_PREC: tl.constexpr):
 
 @triton.jit
 def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0, BKS: tl.constexpr, BT: tl.constexpr,
-            TMA: tl.constexpr):
+               TMA: tl.constexpr):
     """Rows t0 .. t0 + BT of a ``[*, NH, W]`` tensor at columns c0 .. c0 + BKS of head i_h, zero past T_n: by
     pointers (:func:`chunk_common.load_rows`) or, with ``TMA``, through the tensor descriptor ``d_p`` over its
     [rows, NH * W] view (block [BT, BKS]; W a multiple of BKS), which Triton's software pipeliner can issue
