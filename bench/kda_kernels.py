@@ -611,11 +611,10 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(scores_tma=True, scores_stages=3), dict(scores_tma=True, scores_stages=4),
-             dict(wy_stages=4), dict(wy_prec="bf16x3"), dict(wy_prec="bf16x3", scores_tma=True, scores_stages=3)]
+SWEEP_FWD = [dict()]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
-SWEEP_BWD = [dict(), dict(wy_stages=4), dict(wy_prec="bf16x3")]
+SWEEP_BWD = [dict(), dict(bwd_intra_separable=True), dict(bwd_intra_separable=True, bwd_sep_warps=8)]
 
 
 def sweep_configs(fla_chunk, case: str = "") -> None:
@@ -843,7 +842,8 @@ def main() -> int:
         names = {name for name, _, _ in steps}
         # a word that is a whole step name picks that step alone ('bench chunk forward' is also a part of
         # 'bench chunk forward+backward'); any other word, every step whose name contains it
-        steps = [(name, any(w == name if w in names else w in name for w in a.only), fn) for name, _, fn in steps]
+        steps = [(name, any(w == name if w in names else w in name for w in a.only)
+                  and not (a.no_decode and "decode" in name), fn) for name, _, fn in steps]
         a.check = any(wanted and name.startswith("check") for name, wanted, _ in steps)
     skipped = []
     try:

@@ -109,6 +109,25 @@ def mm_rounded(b_a, b_b, b_acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def grid_coords(NB: tl.constexpr, NH: tl.constexpr, ORDER: tl.constexpr):
+    """(i_c, i_b, i_h) of this program: flat chunk, block (of key or value columns; 0 where NB == 1) and head, in
+    the launch grid chunk_pipeline.chunk_grid builds for ``ORDER`` (LaunchConfig.grid_order). The GPU starts
+    programs in grid order, fastest dimension first: "chunks" runs every chunk of one (block, head) before the
+    next, so the blocks of one chunk, which read the same rows, run far apart; "blocks" runs them side by side
+    (they share those rows in L2); "heads" also runs a chunk's heads side by side (their rows are adjacent in
+    memory)."""
+    if ORDER == "chunks":
+        i_c, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    elif ORDER == "blocks":
+        i_c, i_b, i_h = tl.program_id(0) // NB, tl.program_id(0) % NB, tl.program_id(1)
+    else:
+        tl.static_assert(ORDER == "heads")
+        i = tl.program_id(0)
+        i_c, i_b, i_h = i // (NB * NH), (i // NH) % NB, i % NH
+    return i_c, i_b, i_h
+
+
+@triton.jit
 def chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN: tl.constexpr):
     """Flat chunk index -> (sequence i_n, chunk within it i_t, first token bos, sequence length T_n), int64."""
     if IS_VARLEN:

@@ -48,7 +48,7 @@ class LaunchConfig:
     store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
-    scores_stages: int = 1            # software pipelining of its channel loop (1: none)
+    scores_stages: int = 3            # software pipelining of its channel loop (1: none); see scores_tma
     # Separable chunks (chunk_common.chunk_separable) referred to each channel's midpoint: the gate may fall by 160
     # over a chunk instead of 80 over each half. No faster on the H200 (2026-12-01: scores 1.58 against 1.59 ms)
     scores_midpoint: bool = False
@@ -76,9 +76,9 @@ class LaunchConfig:
     # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
     wy_tma: bool = True
     # The same for the separable scores' q, k and gP tiles (chunk_wy.separable_scores); it needs scores_stages > 1
-    # to prefetch. H200 sweep, 16 x 2048 softplus, with scores_stages=3: scores 0.98 -> 0.89 ms, outputs
-    # bit-identical; not yet run through the full-size checks (varlen, float32, 2^20 tokens), so off
-    scores_tma: bool = False
+    # to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound):
+    # scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65 lower_bound, outputs bit-identical; the full-size checks pass
+    scores_tma: bool = True
     # The four diagonal 16x16 blocks of the inverse in one [4, 16, 16] substitution (H200, 2026-12-01: WY kernel
     # 1.75-1.76 ms against 2.10 for four [16, 16] ones in turn, False)
     wy_batched_inverse: bool = True
@@ -126,6 +126,12 @@ class LaunchConfig:
     scores_regs: int = 0
     wy_regs: int = 168
     bwd_regs: int = 0
+    # The order in which the per-chunk kernels' programs run (chunk_common.grid_coords): "chunks" (every chunk of
+    # one column block and head, then the next), "blocks" (a chunk's column blocks side by side, sharing its rows
+    # in L2) or "heads" (a chunk's heads too, whose rows are adjacent in memory). H200 sweep (2026-12-01, 16 x 2048,
+    # lower_bound / softplus, ms): forward 3.44 / 3.75 ("chunks"), 3.42 / 3.73 ("blocks"), 3.27 / 3.60 ("heads");
+    # backward 13.35 / 14.32, 13.01 / 14.05, 12.55 / 13.63; every kernel as fast or faster, outputs bit-identical
+    grid_order: str = "heads"
 
     def __post_init__(self):
         # Launches of the scores / WY / output kernels with fewer than 4 warps hit an illegal address on the H200
@@ -143,9 +149,16 @@ class LaunchConfig:
         if self.wy_prec not in ("tf32", "bf16", "bf16x2", "bf16x3"):
             raise ValueError(f"LaunchConfig.wy_prec must be 'tf32', 'bf16', 'bf16x2' or 'bf16x3', got "
                              f"{self.wy_prec!r}")
+        if self.grid_order not in ("chunks", "blocks", "heads"):
+            raise ValueError(f"LaunchConfig.grid_order must be 'chunks', 'blocks' or 'heads', got {self.grid_order!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
             raise ValueError(f"LaunchConfig.bwd_intra_prec must be 'tf32', 'tf32x3' or 'ieee', got "
                              f"{self.bwd_intra_prec!r}")
+
+
+def chunk_grid(n: int, NB: int, NH: int, order: str) -> tuple[int, ...]:
+    """The launch grid of n chunks x NB column blocks x NH heads in ``order`` (chunk_common.grid_coords)."""
+    return {"chunks": (n, NB, NH), "blocks": (n * NB, NH), "heads": (n * NB * NH,)}[order]
 
 
 def reg_cap(n: int) -> dict:
@@ -244,6 +257,11 @@ class Problem:
     def ptr(self, x):
         return self.dummy if x is None else x
 
+    def grid(self, NB: int, NH: int, n: int | None = None) -> tuple[int, ...]:
+        """The grid of a per-chunk kernel over (n, default every chunk) x NB column blocks x NH heads; the kernel
+        takes ``ORDER=cfg.grid_order`` with it."""
+        return chunk_grid(self.NT if n is None else n, NB, NH, self.cfg.grid_order)
+
     def varlen(self) -> dict:
         return dict(cu_seqlens=self.ptr(self.cu_seqlens), chunk_indices=self.ptr(self.chunk_indices))
 
@@ -297,9 +315,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
-    chunk_kda_prepare_kernel[(NT, HV)](
+    chunk_kda_prepare_kernel[p.grid(1, HV)](
         q=q, k=k, g=g, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=prepare_norms, num_warps=4,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=prepare_norms, ORDER=cfg.grid_order,
+        num_warps=4,
     )
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
@@ -317,7 +336,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
               NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse, WY_PREC=cfg.wy_prec)
     wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
-                  BC=BC, **flags)
+                  BC=BC, ORDER=cfg.grid_order, **flags)
     if kept is None:
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
         # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
@@ -326,17 +345,18 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         paths = [(True, False), (False, True)] if halves == 1 else [(True, False)]
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable, halves_path in paths + [(False, False)]:
-            chunk_kda_fwd_scores_kernel[(NT, HV)](
+            chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
                 HALVES=halves, HALVES_PATH=halves_path, **tiles, NORMS=norms and cfg.norms_in_scores,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
     if cfg.wy_split and kept is None:
-        chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
+        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse in memory
-    chunk_kda_fwd_wy_kernel[(NT, HV)](STAGE=2 if cfg.wy_split or kept is not None else 0, num_warps=cfg.wy_warps,
-                                      num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
+    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if cfg.wy_split or kept is not None else 0,
+                                           num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
+                                           **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.empty(B, T, HV, V, dtype=p.sdt)
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
@@ -355,10 +375,10 @@ def output(p: Problem, x: Pieces, scale: float) -> torch.Tensor:
     """Kernel (f)."""
     o = p.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
     BV = min(p.cfg.o_bv, p.BVmax)
-    chunk_kda_fwd_o_kernel[(p.NT, triton.cdiv(p.V, BV), p.HV)](
+    chunk_kda_fwd_o_kernel[p.grid(triton.cdiv(p.V, BV), p.HV)](
         qg=x.qg, h=x.h, Aqk=x.Aqk, vn=x.vn, o=o, **p.varlen(), scale=scale, T=p.T, NT=p.NT_seq,
         HV=p.HV, K=p.K, V=p.V, BT=BT, BKS=min(p.cfg.o_bks, p.BK), BV=BV, IS_VARLEN=p.cu_seqlens is not None,
-        PREC=p.prec, num_warps=p.cfg.o_warps,
+        PREC=p.prec, ORDER=p.cfg.grid_order, num_warps=p.cfg.o_warps,
     )
     return o
 
@@ -440,43 +460,45 @@ def chunk_kda_bwd_pipeline(
     dT_p = p.empty(NK, B, T, HV, BT)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel)
     beta_flags = dict(USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
-    chunk_kda_bwd_inter_kernel[(NT, NK, HV)](
+    chunk_kda_bwd_inter_kernel[p.grid(NK, HV)](
         q=q, k=k, beta=beta, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), Tm=x.Tm, h=x.h, dh=dh, vn=x.vn, dvn=dvn,
         do=do, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, dT_p=dT_p, **p.varlen(), scale=scale, T=T,
         NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb, BV=BVb, **flags,
-        **beta_flags, PREC=p.prec, num_warps=cfg.bwd_inter_warps or cfg.bwd_warps,
+        **beta_flags, PREC=p.prec, ORDER=cfg.grid_order, num_warps=cfg.bwd_inter_warps or cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dAqk, dAkk = p.empty(B, T, HV, BT), p.empty(B, T, HV, BT)
-    chunk_kda_bwd_wy_kernel[(NT, HV)](
+    chunk_kda_bwd_wy_kernel[p.grid(1, HV)](
         v=v, beta=beta, Akk=x.Akk, Tm=x.Tm, vn=x.vn, dvn=dvn, do=do, db_p=db_p, dT_p=dT_p, dv=dv, dbeta=dbeta,
         dAqk=dAqk, dAkk=dAkk, **p.varlen(), scale=scale, T=T, NT=p.NT_seq, STRIDE_NK=stride_nk,
-        HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec, num_warps=cfg.bwd_warps,
+        HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec, ORDER=cfg.grid_order,
+        num_warps=cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
     BKi = min(cfg.bwd_intra_bk, p.BK)
     intra = dict(q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p,
                  dg_p=dg_p, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, BKA=p.BK, **flags,
-                 PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps,
-                 **reg_cap(cfg.bwd_regs))
+                 PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, ORDER=cfg.grid_order,
+                 num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     if cfg.bwd_intra_separable:
         BKs = min(cfg.bwd_sep_bk, p.BK)
-        chunk_kda_bwd_intra_kernel[(NT, triton.cdiv(K, BKs), HV)](
+        chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
             PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
-    chunk_kda_bwd_intra_kernel[(NT * (BT // BC), triton.cdiv(K, BKi), HV)](PATH=2 if cfg.bwd_intra_separable else 0,
-                                                                         **intra)
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](
+        PATH=2 if cfg.bwd_intra_separable else 0, **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
-    chunk_kda_bwd_gate_kernel[(NT, NK, HV)](
+    chunk_kda_bwd_gate_kernel[p.grid(NK, HV)](
         g=g, dG=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, num_warps=4,
+        HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, ORDER=cfg.grid_order, num_warps=4,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    chunk_kda_bwd_qk_kernel[(NT, H)](
+    chunk_kda_bwd_qk_kernel[p.grid(1, H)](
         q=q, k=k, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dq_p=dq_p, dk_p=dk_p, dq=dq, dk=dk, **p.varlen(), T=T,
-        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags, num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
+        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags, ORDER=cfg.grid_order,
+        num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
     )
     dA_log = ddt_bias = None
     if use_gate:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import chunk_coords, load_rows, row_inv_norms, store_row_norms, store_rows
+from .chunk_common import chunk_coords, grid_coords, load_rows, row_inv_norms, store_row_norms, store_rows
 from .transforms import kda_gate
 
 
@@ -27,9 +27,9 @@ def chunk_kda_prepare_kernel(
     lower_bound, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, ORDER: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, _, i_hv = grid_coords(1, HV, ORDER)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     o_k = tl.arange(0, BK)

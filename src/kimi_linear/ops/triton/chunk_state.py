@@ -25,7 +25,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import cast, chunk_coords, load_rows, load_state, mm, seq_coords, store_rows, store_state
+from .chunk_common import (
+    cast,
+    chunk_coords,
+    grid_coords,
+    load_rows,
+    load_state,
+    mm,
+    seq_coords,
+    store_rows,
+    store_state,
+)
 
 
 @triton.jit
@@ -72,9 +82,9 @@ def chunk_kda_fwd_o_kernel(
     cu_seqlens, chunk_indices,
     scale, T, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr,
 ):
-    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_v, i_hv = grid_coords((V + BV - 1) // BV, HV, ORDER)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     o_v = i_v * BV + tl.arange(0, BV)

@@ -39,6 +39,7 @@ from .chunk_common import (
     fast_exp,
     gate_terms,
     gate_tiles,
+    grid_coords,
     load_beta,
     load_norms,
     load_rows,
@@ -256,6 +257,7 @@ def chunk_kda_fwd_scores_kernel(
     SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr, HALVES: tl.constexpr, HALVES_PATH: tl.constexpr,
     NORMS: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
+    ORDER: tl.constexpr,
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -263,7 +265,7 @@ def chunk_kda_fwd_scores_kernel(
     0, the others all by the sub-block scheme; 1, those that chunk_common.sub_blocks_bounded accepts by
     :func:`halves_scores` in a launch of their own (``HALVES_PATH``); 2, by halves_scores in the sub-block
     scheme's launch (no third launch, but halves_scores compiled beside the 255-register path)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, _, i_hv = grid_coords(1, HV, ORDER)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
     L2: tl.constexpr = USE_QK_L2NORM and not NORMS                        # the paths read rq, rk from memory
@@ -473,11 +475,12 @@ def chunk_kda_fwd_wy_kernel(
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr, STAGE: tl.constexpr,
     WY_PREC: tl.constexpr,
     d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
+    ORDER: tl.constexpr,
 ):
     """The inverse (``STAGE`` 0 or 1) and the WY factors (``STAGE`` 0 or 2): one kernel by default, or two launches
     (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps; ``STAGE`` 2
     alone: the WY factors from an inverse kept from the forward (the backward's recomputation)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, _, i_hv = grid_coords(1, HV, ORDER)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     if STAGE != 2:
