@@ -115,9 +115,11 @@ class LaunchConfig:
     bwd_intra_warps: int = 2
     bwd_intra_prec: str = "tf32"
     # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
-    # [64, BK] products (chunk_bwd.separable_grads). No faster on the H200 (2026-12-01, tf32x3: 7.9 ms with every
-    # chunk separable against 8.05 by sub-blocks)
-    bwd_intra_separable: bool = False
+    # [64, BK] products (chunk_bwd.separable_grads). No faster while every chunk's key blocks ran a pass apart
+    # (2026-12-01, tf32x3: 7.9 ms against 8.05 by sub-blocks, each re-reading dA from DRAM); with grid_order
+    # "heads" (H200, 16 x 2048 lower_bound): 3.32 ms against 5.08, the backward's kernels 10.79 against 12.56; the
+    # full-size gradient checks pass (forward + backward 16.2 / 14.1 ms softplus / lower_bound, fla 19.9 / 16.2)
+    bwd_intra_separable: bool = True
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
