@@ -611,10 +611,10 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 # -------------------------------------------------------------------------------------------------------------- sweep
 # Launch shapes tried by --sweep. Each kernel reads only its own fields, so one list row tries one shape of every
 # kernel at once, and the profiler splits the time per kernel.
-SWEEP_FWD = [dict(), dict(scores_stages=4), dict(wy_stages=2)]
+SWEEP_FWD = [dict()]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
-SWEEP_BWD = [dict(), dict(bwd_sep_warps=8), dict(bwd_sep_bk=64, bwd_sep_warps=8), dict(bwd_intra_warps=4)]
+SWEEP_BWD = [dict(), dict(bwd_intra_separable=False)]
 
 
 def sweep_configs(fla_chunk, case: str = "") -> None:

@@ -16,8 +16,8 @@ The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-
   dAqk = scale do vn^T (lower triangle with the diagonal).
 - :func:`chunk_kda_bwd_intra_kernel` (chunk and 16-row sub-block, key block, value head): the score matrices'
   gradients into q_hat, k_hat and G, with the same overflow-free factorisations as the forward scores (every
-  earlier column in one product, every later row in one product); optionally (``LaunchConfig(
-  bwd_intra_separable=True)``) the separable chunks whole, in four products, by a second launch of it.
+  earlier column in one product, every later row in one product); by default (``LaunchConfig(
+  bwd_intra_separable=True)``) the separable chunks whole, in four products, by a launch of their own.
 - :func:`chunk_kda_bwd_gate_kernel` (chunk, key block, value head): dg = the reverse cumulative sum of dG inside the
   chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
 - :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
@@ -177,7 +177,8 @@ def chunk_kda_bwd_wy_kernel(
 @triton.jit
 def diagonal_grads(b_dAq, b_dAk, b_q, b_k, b_P, r0, T_n, BC: tl.constexpr, PREC: tl.constexpr):
     """Gradients of the diagonal block's scores: (dq, dk from rows, dk from columns) [BC, BK] each, for q, k
-    (normalised), gP of one sub-block and the block's dAqk (lower with diagonal), dAkk (strictly lower)."""
+    (normalised), gP of one sub-block and the block's dAqk, dAkk, both strictly lower (Aqk's diagonal is the
+    caller's, see :func:`separable_grads`)."""
     if tl.max(tl.abs(b_P)) < SAFE_EXP:
         b_e = tl.exp(b_P)
         b_ie = tl.exp(-b_P)
@@ -285,15 +286,18 @@ def sub_block_grads(
     b_kS = load_rows(k, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkS[:, None]   # [BC, BK]
     b_dAq = load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)              # [BC, BC]
     b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)              # [BC, BC]
-    b_ddq, b_ddkr, b_ddkc = diagonal_grads(b_dAq, b_dAk, b_qS, b_kS, b_PS, rS, T_n, BC, PREC)
+    m_d = o_j[:, None] == o_j[None, :]
+    b_d = tl.sum(tl.where(m_d, b_dAq, 0.0), 1)                                        # [BC] Aqk's diagonal
+    b_ddq, b_ddkr, b_ddkc = diagonal_grads(tl.where(m_d, 0.0, b_dAq), b_dAk, b_qS, b_kS, b_PS, rS, T_n, BC, PREC)
     b_dq += b_ddq
     b_dkr += b_ddkr
     b_dkc += b_ddkc
 
     # d/dG_i of exp(G_i - G_j) is the term itself: rows gain q dq + k dk_rows, columns lose k dk_columns.
+    # (Aqk's diagonal, factor 1, adds to dq and dk in float32 and nothing to dG: its row and column shares cancel.)
     b_dG = b_qS * b_dq + b_kS * (b_dkr - b_dkc)
-    b_dq += load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
-    b_dk = b_dkr + b_dkc + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    b_dq += b_d[:, None] * b_kS + load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
+    b_dk = b_dkr + b_dkc + b_d[:, None] * b_qS + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     b_dG += load_rows(dg_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     store_rows(dq_p, b_dq, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     store_rows(dk_p, b_dk, bos, rS, T_n, i_hv, HV, K, o_k, BC)
@@ -324,7 +328,9 @@ def separable_grads(
 
     and d/dG of each score is the score itself on its row and minus it on its column: dG = q dq + k (dk_rows -
     dk_columns). Four [BT, BT] x [BT, BK] products; the dropped entries above the diagonal are zero in dA, so the
-    large factors of far columns never meet them."""
+    large factors of far columns never meet them. Aqk's diagonal (factor 1) is added in float32 beside the
+    products: its share of dG cancels exactly, row against column, where tf32-rounded products would leave the
+    rounding of the largest single terms behind (a noise the reverse cumsum and the dA_log sum then collect)."""
     o_k = i_k * BK + tl.arange(0, BK)
     o_t = tl.arange(0, BT)
     b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, (o_t // BC)[:, None], BT, BC,
@@ -336,17 +342,19 @@ def separable_grads(
     b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
     # rows (dq, dk from Akk's rows), then columns (dk from both matrices' columns), dA loaded for each: the
     # two phases never hold more than two [BT, BT] tiles
+    b_d = tl.load(dAqk + ((bos + t0 + o_t) * HV + i_hv) * BT + o_t, mask=t0 + o_t < T_n, other=0.0)   # [BT]
     b_kc = b_k * b_iE                                                   # [BT, BK] the columns' operand
-    b_dq = mm(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, True), b_kc, PREC) * b_E
+    b_dq = mm(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), b_kc, PREC) * b_E
     b_dk = mm(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), b_kc, PREC) * b_E
     b_dG = b_q * b_dq + b_k * b_dk + load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    store_rows(dq_p, b_dq + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT), bos, t0, T_n, i_hv, HV, K, o_k,
-               BT)
-    b_dkc = mm(tl.trans(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, True)), b_q * b_E, PREC)
+    b_dq += b_d[:, None] * b_k + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dq_p, b_dq, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    b_dk += b_d[:, None] * b_q
+    b_dkc = mm(tl.trans(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False)), b_q * b_E, PREC)
     b_dkc = (b_dkc + mm(tl.trans(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False)), b_k * b_E, PREC)) * b_iE
     b_dG -= b_k * b_dkc
-    store_rows(dk_p, b_dk + b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT), bos, t0, T_n, i_hv, HV,
-               K, o_k, BT)
+    b_dk += b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 
