@@ -105,6 +105,38 @@ def test_packed_projections_equal_separate_and_train(kda):
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_kda_layer_with_triton_conv_and_norm(kda, monkeypatch):
+    """The layer with its short conv and gated norm dispatched to the Triton kernels (run here under the
+    interpreter; on a GPU the dispatch is by device) against the PyTorch path: a prefill with state, single-token
+    steps through the conv window, packed documents, and the gradients of every weight."""
+    import kimi_linear.ops.conv as conv_op
+    import kimi_linear.ops.norm as norm_op
+    from kimi_linear.ops.triton.conv import short_conv as tri_conv
+    from kimi_linear.ops.triton.norm import gated_rms_norm as tri_norm
+
+    pytest.importorskip("triton")
+    x = torch.randn(2, 40, 48, generator=torch.Generator().manual_seed(6))
+    packed = torch.randn(1, 40, 48, generator=torch.Generator().manual_seed(7))
+    cu = torch.tensor([0, 3, 25, 40])
+
+    def run():
+        state = kda.empty_state(2, torch.float32, torch.device("cpu"))
+        with torch.no_grad():
+            steps = torch.cat([kda(x[:, :35], state)] + [kda(x[:, t:t + 1], state) for t in range(35, 40)], 1)
+        kda.zero_grad()
+        kda(packed, cu_seqlens=cu).square().sum().backward()
+        return steps, state.conv.clone(), {n: p.grad.clone() for n, p in kda.named_parameters()}
+
+    ref = run()
+    monkeypatch.setattr(conv_op, "triton_op", lambda name, x: tri_conv)
+    monkeypatch.setattr(norm_op, "triton_op", lambda name, x: tri_norm)
+    got = run()
+    assert rel_err(got[0], ref[0]) < 1e-5
+    assert torch.equal(got[1], ref[1])
+    for n, g in ref[2].items():
+        assert rel_err(got[2][n], g) < 1e-4, n
+
+
 def test_rmsnorm_formula():
     m = randomize(RMSNorm(32, eps=1e-5), seed=6)
     x = torch.randn(4, 32)

@@ -13,11 +13,12 @@ _DEFAULT = object()
 
 @pytest.fixture(autouse=True)
 def poison_empty(monkeypatch):
-    """torch.empty / Tensor.new_empty hand out NaN-filled memory while a test runs, so an output element (or an
-    intermediate buffer) a kernel forgets to write shows up as NaN."""
-    real_empty, real_new_empty = torch.empty, torch.Tensor.new_empty
+    """torch.empty / torch.empty_like / Tensor.new_empty hand out NaN-filled memory while a test runs, so an output
+    element (or an intermediate buffer) a kernel forgets to write shows up as NaN."""
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
     poison = lambda x: x.fill_(NAN) if x.is_floating_point() else x
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kimi_linear.ops import chunk_kda, fused_recurrent_kda
+from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
@@ -103,36 +102,19 @@ class KimiDeltaAttention(nn.Module):
         self, x: torch.Tensor, state: KDAState | None, pos: torch.Tensor | None = None,
         prev: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over q|k|v. x: [B, T, 3*H*d] -> same shape; updates ``state.conv``.
+        """Causal depthwise conv + SiLU over q|k|v (:func:`kimi_linear.ops.conv.short_conv`, Triton on CUDA).
+        x: [B, T, 3*H*d] -> same shape; updates ``state.conv``.
 
-        Computed time-major as W shifted multiply-adds: no transposes, and faster on CPU than a grouped conv1d.
         pos: [T] position of each token inside its packed document; a tap that would reach back past the
         document's start is dropped, so the window never crosses a boundary.
         prev: [B, W-1, C] the inputs before x when they are not in ``state`` (context parallelism: the previous
         rank's last inputs).
         """
-        B, T, C = x.shape
-        W = self.conv_size
-        w = self._conv_weight(x.dtype)                                                         # [W, C]
-        past = prev if prev is not None else state.conv if state is not None else x.new_zeros(B, W - 1, C)
-        full = torch.cat([past if past.dtype == x.dtype else past.to(x.dtype), x], dim=1)     # [B, W-1+T, C]
-        if state is not None and T == 1 and pos is None:
-            # Decode: one output is a W-tap dot product; the new window is a view of `full` (W rows, no copy).
-            state.conv = full[:, 1:]
-            return F.silu((full * w).sum(1, keepdim=True))
+        past = prev if prev is not None else state.conv if state is not None else None
+        y, window = short_conv(x, self._conv_weight(x.dtype), past, pos)
         if state is not None:
-            state.conv = full[:, full.shape[1] - (W - 1) :].clone()
-        if pos is not None:
-            # tap j reads the input W-1-j steps back: valid only when that many earlier tokens share the document
-            taps = [full[:, j : j + T] * (pos >= W - 1 - j)[:, None].to(x.dtype) for j in range(W - 1)]
-            y = full[:, W - 1 :] * w[W - 1]
-            for j, tap in enumerate(taps):
-                y = y + tap * w[j]
-            return F.silu(y)
-        y = full[:, 0:T] * w[0]
-        for j in range(1, W):
-            y.addcmul_(full[:, j : j + T], w[j])
-        return F.silu(y)
+            state.conv = window
+        return y
 
     def forget_gate(self, f_a: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The raw per-channel gate ``f_b(f_a(x))`` [B, T, H, d] and the operator options that turn it into

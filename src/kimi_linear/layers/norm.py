@@ -6,12 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi_linear.ops.norm import gated_rms_norm, upcast
 
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in float32, or float64 when it already is (so float64 reference runs stay float64 end to end; for
-    float32 / bf16 / fp16 this is exactly ``x.float()``). A tensor that already is float32/64 comes back without
-    a call: decoding pays a few microseconds per op, and norms run several times per layer."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+__all__ = ["GatedRMSNorm", "RMSNorm", "upcast"]
 
 
 class RMSNorm(nn.Module):
@@ -50,10 +47,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o, gate: [..., H, d] -> [..., H, d] in o's dtype."""
-        of = F.rms_norm(upcast(o), (o.shape[-1],), upcast(self.weight), eps=self.eps)
-        y = of * torch.sigmoid(upcast(gate))
-        return y if y.dtype == o.dtype else y.to(o.dtype)
+        """o, gate: [..., H, d] -> [..., H, d] in o's dtype (:func:`kimi_linear.ops.norm.gated_rms_norm`, Triton
+        on CUDA)."""
+        return gated_rms_norm(o, gate, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

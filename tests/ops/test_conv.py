@@ -1,0 +1,106 @@
+"""The KDA block's short convolution (ops.conv): the PyTorch path and the Triton kernels (under the interpreter)
+against a float64 loop over the formula, forward and gradients (x, weight, past), with packed documents (pos),
+length 1, lengths shorter than the window and not multiples of the kernels' row block, and more channels than one
+channel block. Bars: float64 1e-12, float32 1e-5, bf16 5e-3 forward / 2e-2 gradients (relative, norm-wise)."""
+
+import pytest
+import torch
+
+from kimi_linear.ops.conv import short_conv, short_conv_torch
+
+from .kda_cases import rel_err
+from .triton_cases import poison_empty  # noqa: F401  (autouse fixture)
+
+
+def naive_short_conv(x, weight, past=None, pos=None):
+    """y_t = silu(sum_j w_j x_{t - (W-1-j)}), token by token in float64."""
+    B, T, C = x.shape
+    W = weight.shape[0]
+    full = torch.cat([past.double() if past is not None else x.new_zeros(B, W - 1, C).double(), x.double()], 1)
+    y = torch.zeros(B, T, C, dtype=torch.float64)
+    for t in range(T):
+        for j in range(W):
+            if pos is None or pos[t] >= W - 1 - j:
+                y[:, t] += weight[j].double() * full[:, t + j]
+    return torch.nn.functional.silu(y)
+
+
+def make(B, T, C, W=4, dtype=torch.float32, past=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=gen).to(dtype)
+    w = (torch.randn(W, C, generator=gen) * 0.5).to(dtype)
+    p = torch.randn(B, W - 1, C, generator=gen).to(dtype) if past else None
+    return x, w, p
+
+
+def doc_positions(cu):
+    """pos of each token inside its document for offsets cu."""
+    cu = torch.tensor(cu)
+    starts = torch.repeat_interleave(cu[:-1], cu.diff())
+    return torch.arange(int(cu[-1])) - starts
+
+
+CASES = [  # (B, T, C, past, documents)
+    (2, 37, 24, True, None),
+    (1, 1, 16, True, None),
+    (3, 2, 8, True, None),
+    (1, 70, 160, False, [0, 1, 3, 40, 41, 70]),
+    (1, 33, 8, True, [0, 2, 33]),
+]
+
+
+@pytest.mark.parametrize("B, T, C, past, docs", CASES)
+def test_torch_path_exact(B, T, C, past, docs):
+    x, w, p = make(B, T, C, dtype=torch.float64, past=past)
+    pos = doc_positions(docs) if docs else None
+    y, window = short_conv(x, w, p, pos)
+    assert rel_err(y, naive_short_conv(x, w, p, pos)) < 1e-12
+    full = torch.cat([p if p is not None else torch.zeros(B, 3, C, dtype=x.dtype), x], 1)
+    assert torch.equal(window, full[:, -3:])
+
+
+def triton_short_conv(x, w, p, pos):
+    from kimi_linear.ops.triton.conv import short_conv as tri
+
+    return tri(x, w, p, pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, T, C, past, docs", CASES)
+def test_triton_forward_and_gradients(B, T, C, past, docs, dtype):
+    x, w, p = make(B, T, C, dtype=dtype, past=past, seed=1)
+    pos = doc_positions(docs) if docs else None
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, p)]
+    y = triton_short_conv(*leaves, pos)
+    ref_leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, p)]
+    y_ref = naive_short_conv(*ref_leaves, pos)
+    assert y.dtype == dtype and y.shape == x.shape
+    fwd_bar, grad_bar = (1e-5, 1e-5) if dtype == torch.float32 else (5e-3, 2e-2)
+    assert rel_err(y, y_ref) < fwd_bar
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    (y.double() * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    for name, got, ref in zip(("x", "weight", "past"), leaves, ref_leaves):
+        if got is None:
+            continue
+        assert got.grad.dtype == dtype and got.grad.shape == got.shape, name
+        assert rel_err(got.grad, ref.grad) < grad_bar, (name, rel_err(got.grad, ref.grad))
+
+
+def test_triton_matches_torch_path_without_past():
+    """No past (a fresh sequence): both paths read zeros before the first input."""
+    x, w, _ = make(2, 45, 40, past=False, seed=3)
+    assert rel_err(triton_short_conv(x, w, None, None), short_conv_torch(x, w)[0]) < 1e-6
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(x=torch.zeros(2, 3)), "x must be"),
+    (dict(weight=torch.zeros(4, 5)), "weight must be"),
+    (dict(past=torch.zeros(1, 2, 8)), "past must be"),
+    (dict(pos=torch.zeros(5)), "pos must be"),
+])
+def test_bad_inputs(bad, match):
+    args = dict(x=torch.zeros(1, 6, 8), weight=torch.zeros(4, 8), past=None, pos=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        short_conv(**args)
