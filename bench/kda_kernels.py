@@ -681,7 +681,8 @@ def sweep_configs(fla_chunk, case: str = "") -> None:
 
 # ------------------------------------------------------------------------------------------------- offline sm_90 build
 def offline_sm90(cfg_json: str) -> int:
-    """Compile every kernel launch of the pipeline's forward and backward for sm_90 without a GPU (Triton's own
+    """Compile every kernel launch of the pipeline's forward and backward (and of the block's short conv and gated
+    norm) for sm_90 without a GPU (Triton's own
     ptxas and cuobjdump) and print registers, stack (spills), shared memory against the H200's limit and product
     instructions per kernel, for bf16 and for float32 inputs. The launches are captured from a CPU run with the
     kernels not executed; pointer and int arguments get the 16-divisibility the JIT would see on real allocations
@@ -699,6 +700,8 @@ def offline_sm90(cfg_json: str) -> int:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig, chunk_kda_bwd_pipeline, chunk_kda_fwd_pipeline
+    from kimi_linear.ops.triton.conv import short_conv as tri_conv
+    from kimi_linear.ops.triton.norm import gated_rms_norm as tri_norm
 
     launches, inputs = [], {}
     JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, kw, inputs["dtype"]))
@@ -717,6 +720,12 @@ def offline_sm90(cfg_json: str) -> int:
             chunk_kda_fwd_pipeline(*args5(x), K ** -0.5, h0, True, o_, None, cfg)
             chunk_kda_bwd_pipeline(*args5(x), K ** -0.5, h0, o_, None, rnd(B, T, HV, V), torch.randn(B, HV, K, V),
                                    cfg)
+        # the block's short conv (training: no window; serving: a window and document positions) and gated norm
+        C = 3 * H * K
+        for extra in ((), (rnd(B, 3, C), torch.arange(T))):
+            tri_conv(rnd(B, T, C).requires_grad_(), rnd(4, C).requires_grad_(), *extra).backward(rnd(B, T, C))
+        tri_norm(*(rnd(B, T, HV, V).requires_grad_() for _ in range(2)), torch.randn(V).requires_grad_(),
+                 1e-6).backward(rnd(B, T, HV, V))
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
            torch.int64: "*i64"}
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

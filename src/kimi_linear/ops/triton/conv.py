@@ -107,8 +107,10 @@ def short_conv_bwd_kernel(
                  mask=(s < 0)[:, None] & m_c[None, :])
 
 
+# [32, 64] tiles: the backward holds about five float32 tiles at once; with 128 channels it spilled (offline sm_90
+# build: 255 registers, 32-432 bytes of stack), with 64 it takes 136-214 registers and none. Not yet GPU-tuned.
 BT_ROWS = 32
-BC_CHANNELS = 128
+BC_CHANNELS = 64
 
 
 def launch_shape(x: torch.Tensor, rows: int) -> tuple[int, int, tuple[int, int, int]]:
