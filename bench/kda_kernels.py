@@ -488,11 +488,12 @@ def bench_chunk(bw: float, tf: float, fla_chunk, backward: bool) -> None:
             row(f"chunk fwd {tag}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
             continue
         fla_ms = None
+        # 200 ms of timing: about a dozen runs of a 16 ms step (the 50 ms of earlier tables gave three)
         if fla_chunk is not None:
             fla_ms = median_ms(fwd_bwd_runner(
-                lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x), rep=50)
+                lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x), rep=200)
         ms = median_ms(fwd_bwd_runner(
-            lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=50)
+            lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=200)
         row(f"chunk fwd+bwd {tag}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True), "Triton fwd + bwd")
         save()
 
