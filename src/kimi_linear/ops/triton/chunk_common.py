@@ -111,7 +111,7 @@ def mm_rounded(b_a, b_b, b_acc, PREC: tl.constexpr):
 @triton.jit
 def grid_coords(NB: tl.constexpr, NH: tl.constexpr, ORDER: tl.constexpr):
     """(i_c, i_b, i_h) of this program: flat chunk, block (of key or value columns; 0 where NB == 1) and head, in
-    the launch grid chunk_pipeline.chunk_grid builds for ``ORDER`` (LaunchConfig.grid_order). The GPU starts
+    the launch grid chunk_pipeline.Problem.grid builds for ``ORDER`` (LaunchConfig.grid_order). The GPU starts
     programs in grid order, fastest dimension first: "chunks" runs every chunk of one (block, head) before the
     next, so the blocks of one chunk, which read the same rows, run far apart; "blocks" runs them side by side
     (they share those rows in L2); "heads" also runs a chunk's heads side by side (their rows are adjacent in

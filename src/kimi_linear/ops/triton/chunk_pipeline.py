@@ -158,11 +158,6 @@ class LaunchConfig:
                              f"{self.bwd_intra_prec!r}")
 
 
-def chunk_grid(n: int, NB: int, NH: int, order: str) -> tuple[int, ...]:
-    """The launch grid of n chunks x NB column blocks x NH heads in ``order`` (chunk_common.grid_coords)."""
-    return {"chunks": (n, NB, NH), "blocks": (n * NB, NH), "heads": (n * NB * NH,)}[order]
-
-
 def reg_cap(n: int) -> dict:
     """Launch keywords capping registers per thread at n (none for 0)."""
     return dict(maxnreg=n) if n else {}
@@ -260,9 +255,10 @@ class Problem:
         return self.dummy if x is None else x
 
     def grid(self, NB: int, NH: int, n: int | None = None) -> tuple[int, ...]:
-        """The grid of a per-chunk kernel over (n, default every chunk) x NB column blocks x NH heads; the kernel
-        takes ``ORDER=cfg.grid_order`` with it."""
-        return chunk_grid(self.NT if n is None else n, NB, NH, self.cfg.grid_order)
+        """The grid of a per-chunk kernel over (n, default every chunk) x NB column blocks x NH heads in
+        ``cfg.grid_order`` (chunk_common.grid_coords); the kernel takes ``ORDER=cfg.grid_order`` with it."""
+        n = self.NT if n is None else n
+        return {"chunks": (n, NB, NH), "blocks": (n * NB, NH), "heads": (n * NB * NH,)}[self.cfg.grid_order]
 
     def varlen(self) -> dict:
         return dict(cu_seqlens=self.ptr(self.cu_seqlens), chunk_indices=self.ptr(self.chunk_indices))
