@@ -34,6 +34,17 @@ def load_rows_of(p, rows, stride, N, o_d, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def norm_inputs(o, gate, w, rows, so_t, sg_t, N, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """(n = o / sqrt(mean(o^2) + eps) [BR, BD], s = sigmoid(gate) [BR, BD], w [BD], 1 / sqrt(...) [BR]), float32."""
+    o_d = tl.arange(0, BD)
+    b_o = load_rows_of(o, rows, so_t, N, o_d, H, D)                         # [BR, BD]
+    b_s = tl.sigmoid(load_rows_of(gate, rows, sg_t, N, o_d, H, D))
+    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)          # [BD]
+    b_r = 1.0 / tl.sqrt(tl.sum(b_o * b_o, 1) / D + eps)                     # [BR]
+    return b_o * b_r[:, None], b_s, b_w, b_r
+
+
+@triton.jit
 def gated_rms_norm_fwd_kernel(
     o, gate, w, y,                    # [tokens, H, D] (token strides so_t, sg_t), [D], out: [N, D] contiguous
     N, so_t, sg_t, eps,
@@ -41,11 +52,8 @@ def gated_rms_norm_fwd_kernel(
 ):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
-    b_o = load_rows_of(o, rows, so_t, N, o_d, H, D)                         # [BR, BD]
-    b_g = load_rows_of(gate, rows, sg_t, N, o_d, H, D)
-    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)          # [BD]
-    b_r = 1.0 / tl.sqrt(tl.sum(b_o * b_o, 1) / D + eps)                     # [BR]
-    b_y = b_o * b_r[:, None] * b_w[None, :] * tl.sigmoid(b_g)
+    b_n, b_s, b_w, _ = norm_inputs(o, gate, w, rows, so_t, sg_t, N, eps, H, D, BD)
+    b_y = b_n * b_w[None, :] * b_s
     tl.store(y + rows[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty),
              mask=(rows < N)[:, None] & (o_d < D)[None, :])
 
@@ -61,13 +69,8 @@ def gated_rms_norm_bwd_kernel(
     rows = i_r * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (rows < N)[:, None] & (o_d < D)[None, :]
-    b_o = load_rows_of(o, rows, so_t, N, o_d, H, D)                         # [BR, BD]
-    b_g = load_rows_of(gate, rows, sg_t, N, o_d, H, D)
+    b_n, b_s, b_w, b_r = norm_inputs(o, gate, w, rows, so_t, sg_t, N, eps, H, D, BD)
     b_dy = tl.load(dy + rows[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
-    b_r = 1.0 / tl.sqrt(tl.sum(b_o * b_o, 1) / D + eps)                     # [BR]
-    b_n = b_o * b_r[:, None]
-    b_s = tl.sigmoid(b_g)
     b_dys = b_dy * b_s
     tl.store(dgate + rows[:, None] * D + o_d[None, :],
              (b_dys * b_n * b_w[None, :] * (1.0 - b_s)).to(dgate.dtype.element_ty), mask=m)
