@@ -88,5 +88,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 def test_generate_half_precision(tmp_path, capsys):
     path = str(tmp_path / "bf16")
     assert main(["init", path, "--dtype", "bfloat16"]) == 0
-    assert KimiLinearForCausalLM.from_pretrained(path).dtype == torch.bfloat16
+    assert KimiLinearForCausalLM.from_pretrained(path, dtype="bfloat16").dtype == torch.bfloat16
+    assert KimiLinearForCausalLM.from_pretrained(path).dtype == torch.float32      # auto on CPU: float32
     assert main(["generate", path, "-p", "abc", "-n", "4", "--ignore-eos"]) == 0
+    assert main(["generate", path, "-p", "abc", "-n", "4", "--ignore-eos", "--dtype", "bfloat16"]) == 0

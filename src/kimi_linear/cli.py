@@ -130,7 +130,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: checkpoint directory {path!r} does not exist", file=sys.stderr)
         return 2
     shipped = path == default_model_dir_or_none()
-    dtype = "float32" if shipped and args.dtype == "auto" else args.dtype  # bf16 files; float32 decodes faster
     prompt = prompt if prompt is not None else sys.stdin.read()
     if not prompt:
         print("error: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
@@ -138,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = load_tokenizer(path)
-    model = KimiLinearForCausalLM.from_pretrained(path, dtype=dtype, progress=not shipped)
+    model = KimiLinearForCausalLM.from_pretrained(path, dtype=args.dtype, progress=not shipped)
     if args.chat and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                        add_generation_prompt=True)
@@ -183,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (= the checkpoint's)")
+    g.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto (= the checkpoint's; float32 on CPU for 16-bit files)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sequence token")

@@ -77,11 +77,14 @@ def test_saved_files_use_published_names(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_round_trip(tmp_path, dtype):
-    """bf16/fp16 checkpoints keep their dtype (router and gate constants stay float32) and load bit-exactly; in
-    half precision our logits are as close to the float32 result on the same weights as transformers' are."""
+    """bf16/fp16 checkpoints keep their dtype when asked (router and gate constants stay float32) and load
+    bit-exactly; in half precision our logits are as close to the float32 result on the same weights as
+    transformers' are. ``dtype="auto"`` (the default) computes a 16-bit checkpoint in float32 on a CPU."""
     ours = randomize(KimiLinearForCausalLM(make_config("KKKM", moe=False)), seed=2).cast(dtype).eval()
     ours.save_pretrained(tmp_path)
-    back = KimiLinearForCausalLM.from_pretrained(tmp_path)
+    assert KimiLinearForCausalLM.from_pretrained(tmp_path).dtype == torch.float32
+    assert KimiLinearForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype == torch.float32
+    back = KimiLinearForCausalLM.from_pretrained(tmp_path, dtype=dtype)
     assert back.dtype == dtype
     assert back.model.layers[1].self_attn.dt_bias.dtype == torch.float32
     for (n, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items()):

@@ -46,6 +46,17 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.
     return _DTYPES[name]
 
 
+def auto_dtype(config: object, device: str | torch.device) -> torch.dtype:
+    """What ``dtype="auto"`` / None loads as: the checkpoint's dtype, except that a 16-bit checkpoint computes in
+    float32 on a CPU. CPUs have no fast bf16/fp16 matrix units in general: on 2 cores the shipped model decodes
+    at ~190 tok/s in float32 against ~95-137 tok/s in bf16, and float32 keeps batched decoding equal to decoding
+    one sequence at a time (bf16 rounding of different batch shapes flips greedy choices)."""
+    saved = resolve_dtype(getattr(config, "dtype", None) or None)
+    if torch.device(device).type == "cpu" and saved in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return saved
+
+
 def weight_files(path: str) -> list[str]:
     """The safetensors files of a checkpoint directory, from the index when there is one."""
     index = os.path.join(path, INDEX_FILE)
@@ -76,7 +87,7 @@ def load_pretrained(
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     config = load_config(path)
-    dtype = resolve_dtype(dtype, default=resolve_dtype(getattr(config, "dtype", None) or None))
+    dtype = resolve_dtype(dtype, default=auto_dtype(config, device))
     with torch.device("meta"):
         model = cls(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -34,7 +34,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                         "are snapshotted for prefix caching (default 64)")
     s.add_argument("--num-snapshots", type=int, default=None, help="KDA prefix snapshots (default 4 x seqs)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (= the checkpoint's)")
+    s.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto (= the checkpoint's; float32 on CPU for 16-bit files)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available, else cpu)")
     s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay batched decode steps as CUDA graphs (default: on for a CUDA device)")
