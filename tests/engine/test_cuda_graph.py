@@ -1,6 +1,6 @@
-"""The fixed-shape decode step that the engine captures as CUDA graphs, run eagerly on CPU (``cuda_graphs=True``):
-it gives the tokens and log-probs of the normal engine path, falls back to eager decoding outside its buckets, and
-its padding rows cannot change real state. (Capturing a graph needs a GPU: ``bench/engine_gpu.py`` does that.)"""
+"""The fixed-shape decode step that the engine captures as CUDA graphs (``kimi_linear.model.paged``), run eagerly
+on CPU (``cuda_graphs=True``): it gives the tokens and log-probs of the normal engine path at any context length,
+and its padding rows cannot change real state. (Capturing a graph needs a GPU: ``bench/engine_gpu.py`` does that.)"""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
-from kimi_linear.engine.cuda_graph import DecodeGraphs, batch_buckets, length_buckets
 from kimi_linear.layers import SparseMoE
 from kimi_linear.layers.activation import SiTUGLU, silu_glu
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
+from kimi_linear.model.paged import batch_buckets
 
 from .test_engine import EOS, run_all
 
@@ -24,28 +24,25 @@ def model() -> KimiLinearForCausalLM:
     return KimiLinearForCausalLM(preset_config("tiny", eos_token_id=EOS)).init_weights(0).eval()
 
 
-def static_engine(model: KimiLinearForCausalLM, lengths: list[int], **cfg) -> LLMEngine:
-    """An engine whose decode batches go through the fixed-shape step with small context buckets (the default
-    buckets start at 256 tokens; these make the tests cross buckets and fall back to eager past the last one)."""
+def static_engine(model: KimiLinearForCausalLM, **cfg) -> LLMEngine:
+    """An engine whose decode batches go through the fixed-shape step, eagerly (no GPU here)."""
     engine = LLMEngine(model, EngineConfig(cuda_graphs=True, **cfg))
     assert engine.graphs is not None and not engine.graphs.capture
-    engine.graphs = DecodeGraphs(model, engine.slots, engine.blocks, engine.kda_idx, engine.mla_idx,
-                                 engine.cfg.max_num_seqs, lengths[-1], capture=False, lengths=lengths)
     return engine
 
 
-def record_buckets(engine: LLMEngine) -> list[tuple[int, int, int]]:
-    """(rows, padded batch, length bucket) of every fixed-shape step the engine runs."""
-    seen: list[tuple[int, int, int]] = []
+def record_buckets(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(rows, padded batch) of every fixed-shape step the engine runs."""
+    seen: list[tuple[int, int]] = []
     graphs = engine.graphs
     assert graphs is not None
     inner = graphs.bucket
 
-    def bucket(n: int, need: int):
-        key = inner(n, need)
-        if key is not None:
-            seen.append((n, *key))
-        return key
+    def bucket(n: int):
+        b = inner(n)
+        if b is not None:
+            seen.append((n, b))
+        return b
 
     graphs.bucket = bucket  # type: ignore[method-assign]
     return seen
@@ -66,9 +63,6 @@ def run_with_logprobs(engine: LLMEngine, reqs) -> tuple[dict[str, list[int]], di
 
 def test_buckets():
     assert batch_buckets(1) == [1] and batch_buckets(16) == [1, 2, 4, 8, 16] and batch_buckets(6) == [1, 2, 4, 6]
-    assert length_buckets(16, 8192) == [256, 512, 1024, 2048, 4096, 8192]
-    assert length_buckets(16, 100) == [112] and length_buckets(64, 1000) == [256, 512, 1024]
-    assert all(L % 48 == 0 for L in length_buckets(48, 3000))
 
 
 def test_cpu_default_is_the_eager_path(model):
@@ -79,19 +73,36 @@ def test_cpu_default_is_the_eager_path(model):
 
 def test_fixed_shape_step_matches_the_eager_engine(model):
     """Greedy tokens equal and log-probs within float32 rounding; rows join and leave (5 slots, 8 requests),
-    batches are padded (3 rows -> bucket 4), cross the 32/64 context buckets and fall back to eager past 64."""
+    batches are padded (3 rows -> bucket 4), contexts grow across many blocks (no length limit: the step reads
+    latents through the block table) and every decode batch takes the fixed-shape step."""
     reqs = mixed_requests(1, 8, 50, 30)
     ref_out, ref_lp = run_with_logprobs(LLMEngine(model, EngineConfig(max_num_seqs=5, prefill_chunk=32)), reqs)
-    engine = static_engine(model, [32, 64], max_num_seqs=5, prefill_chunk=32)
+    engine = static_engine(model, max_num_seqs=5, prefill_chunk=32)
     seen = record_buckets(engine)
     out, lp = run_with_logprobs(engine, reqs)
     assert out == ref_out
     for k in reqs:
         assert lp[k] == pytest.approx(ref_lp[k], abs=1e-5), k
     c = engine.counters
-    assert 0 < c["graph_decode_forwards"] < c["decode_forwards"]          # some batches were too long: eager
-    assert any(n < b for n, b, _ in seen) and {L for _, _, L in seen} == {32, 64}
+    assert c["graph_decode_forwards"] == c["decode_forwards"] > 0
+    assert any(n < b for n, b in seen)
     assert engine.stats()["kda_slots_used"] == 0 and engine.stats()["mla_blocks_used"] == 0
+
+
+def test_fixed_shape_step_after_preemption_and_prefix_hits(model):
+    """Block tables follow slots: a preempted sequence readmitted into another slot, and sequences that start from
+    shared prefix blocks, decode exactly as the eager engine does."""
+    rng = random.Random(3)
+    base = [rng.randrange(256) for _ in range(40)]
+    reqs = {str(i): (base + [rng.randrange(256) for _ in range(rng.randrange(1, 20))],
+                     SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for i in range(5)}
+    cfg = dict(max_num_seqs=4, num_blocks=14, prefill_chunk=16)
+    ref_out, ref_lp = run_with_logprobs(LLMEngine(model, EngineConfig(**cfg)), reqs)
+    engine = static_engine(model, **cfg)
+    out, lp = run_with_logprobs(engine, reqs)
+    assert out == ref_out and engine.counters["preemptions"] > 0 and engine.counters["prefix_cache_hits"] > 0
+    for k in reqs:
+        assert lp[k] == pytest.approx(ref_lp[k], abs=1e-5), k
 
 
 def test_fixed_shape_step_with_k3_switches():
@@ -100,7 +111,7 @@ def test_fixed_shape_step_with_k3_switches():
     k3 = KimiLinearForCausalLM(preset_config("k3-tiny", eos_token_id=EOS)).init_weights(0).eval()
     reqs = mixed_requests(5, 4, 40, 8)
     ref_out, ref_lp = run_with_logprobs(LLMEngine(k3, EngineConfig(max_num_seqs=3, prefill_chunk=32)), reqs)
-    engine = static_engine(k3, [64], max_num_seqs=3, prefill_chunk=32)
+    engine = static_engine(k3, max_num_seqs=3, prefill_chunk=32)
     out, lp = run_with_logprobs(engine, reqs)
     assert out == ref_out and engine.counters["graph_decode_forwards"] > 0
     for k in reqs:
@@ -116,7 +127,7 @@ def test_padding_rows_cannot_touch_real_state(model):
     """Three decoding rows padded to a batch of 4: every slot, block and snapshot the real rows do not own is
     unchanged bit for bit (cached prefix blocks included), and NaN in the scratch slot and block (what padding rows
     read) changes nothing in the real rows' logits, states or latents, bit for bit."""
-    engine = static_engine(model, [64], max_num_seqs=6, prefill_chunk=16)
+    engine = static_engine(model, max_num_seqs=6, prefill_chunk=16)
     rng = random.Random(7)
     sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     # A finished request leaves cached prefix blocks and a KDA snapshot behind.
@@ -126,17 +137,18 @@ def test_padding_rows_cannot_touch_real_state(model):
     while not all(s.num_tokens() - s.num_computed == 1 for s in engine.running) or len(engine.running) < 3:
         engine.step()
     seqs = list(engine.running)
-    assert all(engine._reserve(s, s.num_computed + 1) for s in seqs)      # what step() does before decoding
+    assert all(engine.scheduler.reserve(s, s.num_computed + 1) for s in seqs)   # what step() does before decoding
     graphs = engine.graphs
-    assert graphs is not None and graphs.bucket(3, 64) == (4, 64)
+    assert graphs is not None and graphs.bucket(3) == 4
     assert engine.blocks.num_used() < engine.blocks.num_blocks and len(engine.blocks.free_cached) > 0
     before = [t.clone() for t in pool_tensors(engine)]
 
-    logits = graphs.run(seqs)
-    assert logits is not None and logits.shape == (3, model.config.vocab_size) and logits.isfinite().all()
+    logits = engine.runner.decode(seqs)
+    assert logits.shape == (3, model.config.vocab_size) and logits.isfinite().all()
+    logits = logits.clone()
     after = [t.clone() for t in pool_tensors(engine)]
     # What the real rows may change: their own slots, and in each MLA layer one position of their own blocks.
-    owned_slots = {s.slot for s in seqs} | {graphs.slots.scratch}
+    owned_slots = {s.slot for s in seqs} | {engine.slots.scratch}
     written = {(s.block_table[s.num_computed // 16], s.num_computed % 16) for s in seqs}
     n_slot = len(engine.slots.conv) + len(engine.slots.rec)
     for i, (b, a) in enumerate(zip(before, after)):
@@ -146,7 +158,7 @@ def test_padding_rows_cannot_touch_real_state(model):
             assert not torch.equal(b[[s.slot for s in seqs]], a[[s.slot for s in seqs]])
         elif i < n_slot + len(engine.blocks.data):
             changed = {(int(x), int(y)) for x, y, _ in (b != a).nonzero().tolist()}
-            assert changed - {(graphs.blocks.scratch, 0)} == written, i
+            assert changed - {(engine.blocks.scratch, 0)} == written, i
         else:
             assert torch.equal(b, a), i                                     # snapshots: untouched
 
@@ -155,15 +167,15 @@ def test_padding_rows_cannot_touch_real_state(model):
         t.copy_(b)
     for t in engine.slots.conv + engine.slots.rec + engine.blocks.data:
         t[-1] = float("nan")                                                # the scratch row of each pool
-    logits_nan = graphs.run(seqs)
-    assert logits_nan is not None and torch.equal(logits_nan, logits)
+    logits_nan = engine.runner.decode(seqs)
+    assert torch.equal(logits_nan, logits)
     for i, (a, t) in enumerate(zip(after, pool_tensors(engine))):
         assert torch.equal(a[:-1], t[:-1]) if i < n_slot + len(engine.blocks.data) else torch.equal(a, t), i
 
     # And the eager engine step from the same state agrees (to rounding: the batch shapes differ).
     for t, b in zip(pool_tensors(engine), before):
         t.copy_(b)
-    eager = engine._forward(seqs, 1)
+    eager = engine.runner.forward(seqs, 1)
     torch.testing.assert_close(eager, logits, rtol=1e-5, atol=1e-5)
     for a, t in zip(after, pool_tensors(engine)):
         torch.testing.assert_close(t[:-1], a[:-1], rtol=1e-5, atol=1e-5)
@@ -195,9 +207,10 @@ def test_memory_budget_counts_the_scratch_rows(model):
     engine = LLMEngine(model, EngineConfig(max_num_seqs=4, num_snapshots=0, memory=8 * 2**20, cuda_graphs=True))
     b = engine.allocated_bytes()
     assert b["graph_scratch"] == engine.slots.slot_bytes() + engine.blocks.block_bytes()
+    assert b["block_table"] == 5 * engine.cache.pools.block_table.shape[1] * 4     # int32, one row per slot
     assert sum(b.values()) <= 8 * 2**20 < sum(b.values()) + engine.blocks.block_bytes()
-    with pytest.raises(ValueError, match="`cuda_graph_max_len`"):
-        EngineConfig(cuda_graph_max_len=0).validate()
+    with pytest.raises(ValueError, match="`max_num_batched_tokens`"):
+        EngineConfig(max_num_batched_tokens=0).validate()
     with pytest.raises(ValueError, match="`cuda_graphs`"):
         EngineConfig(cuda_graphs="yes").validate()  # type: ignore[arg-type]
 
@@ -237,20 +250,21 @@ def test_capture_bookkeeping_with_a_fake_cuda_api(model, monkeypatch):
     ref_out, _ = run_with_logprobs(LLMEngine(model, EngineConfig(max_num_seqs=4, prefill_chunk=32)), reqs)
 
     engine = LLMEngine(model, EngineConfig(max_num_seqs=4, prefill_chunk=32, cuda_graphs=True))
-    graphs = DecodeGraphs(model, engine.slots, engine.blocks, engine.kda_idx, engine.mla_idx, 4, 64, capture=True,
-                          lengths=[32, 64])
-    engine.graphs = graphs
+    graphs = engine.graphs
+    assert graphs is not None
+    graphs.capture = True                              # what a CUDA model gets (the fake API stands in)
+    graphs.pool = torch.cuda.graph_pool_handle()
     for t in pool_tensors(engine):
         t.normal_()                                    # stands for other requests' state
     before = [t.clone() for t in pool_tensors(engine)]
-    assert engine.capture_cuda_graphs() == 3 * 2 and graphs.broken is None
+    assert engine.capture_cuda_graphs() == 3 and graphs.broken is None          # buckets 1, 2, 4
     with_scratch = len(engine.slots.conv + engine.slots.rec + engine.blocks.data)   # pools whose last row is scratch
     for i, (b, a) in enumerate(zip(before, pool_tensors(engine))):
         if i < with_scratch:
             b, a = b[:-1], a[:-1]
         assert torch.equal(b, a), i
-    for (b, L), step in graphs.steps.items():
+    for b, step in graphs.buckets.items():
         assert step.logits is not None and step.logits.shape == (b, model.config.vocab_size)
-        step.graph.replay_fn = lambda s=step, b=b, L=L: s.logits.copy_(graphs.forward(s.inputs, b, L))
+        step.graph.replay_fn = lambda s=step, b=b: s.logits.copy_(graphs.forward(s.inputs, b))
     out, _ = run_with_logprobs(engine, reqs)
     assert out == ref_out and engine.counters["graph_decode_forwards"] > 0

@@ -29,36 +29,53 @@ class EngineConfig:
         ``max_num_seqs`` sequences of the full context, at most 4 GiB of MLA blocks.
     num_blocks: MLA latent blocks in the paged pool (each ``block_size`` tokens for every MLA layer).
     block_size: tokens per MLA block, and the granularity of prefix sharing.
-    prefill_chunk: most prompt tokens one prefill forward processes (a multiple of ``block_size``). Prefill forwards
-        end at multiples of it, and the KDA state is snapshotted there for prefix caching: it is the prefix-cache
-        granularity of the KDA layers.
-    max_prefill_forwards: prefill forwards run per engine step (between two decode steps).
+    prefill_chunk: most prompt tokens of one sequence in one step (a multiple of ``block_size``). Prompt chunks end
+        at multiples of it, and the KDA state is snapshotted there for prefix caching: it is the prefix-cache
+        granularity of the KDA layers. ``None``: 64 on CPU, 2048 on a GPU.
+    max_num_batched_tokens: the step's token budget: decode rows (one token each) plus prompt chunks; chunks of
+        equal length from several sequences run as one batched forward. At least one chunk runs per step whatever
+        the budget, so prompts always progress. ``None``: ``prefill_chunk`` on CPU (one chunk beside the decode
+        rows, which keeps their latency low), 8192 on a GPU (where a forward of thousands of tokens costs about
+        what one of a few hundred does).
     prefix_caching: share full MLA blocks by hash chain and restore KDA snapshots.
     num_snapshots: KDA snapshot slots for prefix caching (LRU); default ``4 * max_num_seqs``.
-    cuda_graphs: run batched decode steps through the fixed-shape step of ``cuda_graph.py``, captured as CUDA graphs
-        per (batch, context) bucket. ``None``: on for a CUDA model, off otherwise. ``True`` on CPU runs the same
-        fixed-shape step eagerly (what the tests check; slower than the normal CPU path).
-    cuda_graph_max_len: longest context (cached tokens + the new one) a captured decode step covers; a decode batch
-        with a longer sequence runs eagerly. Buckets double from 256 tokens up to it.
+    cuda_graphs: run batched decode steps through the fixed-shape step of ``kimi_linear.model.paged`` (KDA states
+        updated in place in their slots, MLA latents read through the block table), captured as one CUDA graph
+        per batch bucket (1, 2, 4, ..., ``max_num_seqs``) whatever the context length. ``None``: on for a CUDA
+        model, off otherwise. ``True`` on CPU runs the same fixed-shape step eagerly (what the tests check;
+        slower than the normal CPU path).
     """
 
     max_num_seqs: int = 16
     memory: int | None = None
     num_blocks: int | None = None
     block_size: int = 16
-    prefill_chunk: int = 64
-    max_prefill_forwards: int = 1
+    prefill_chunk: int | None = None
+    max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
     num_snapshots: int | None = None
     cuda_graphs: bool | None = None
-    cuda_graph_max_len: int = 8192
+
+    def resolved(self, device_type: str) -> EngineConfig:
+        """A validated copy with the device-dependent defaults (``None`` fields) filled in."""
+        gpu = device_type == "cuda"
+        cfg = EngineConfig(**{**self.__dict__})
+        if cfg.prefill_chunk is None:
+            cfg.prefill_chunk = max(2048 if gpu else 64, self.block_size) // self.block_size * self.block_size
+        if cfg.max_num_batched_tokens is None:
+            cfg.max_num_batched_tokens = 8192 if gpu else cfg.prefill_chunk
+        if cfg.cuda_graphs is None:
+            cfg.cuda_graphs = gpu
+        return cfg.validate()
 
     def validate(self) -> EngineConfig:
-        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_prefill_forwards", "cuda_graph_max_len"):
+        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if v is None and name in ("prefill_chunk", "max_num_batched_tokens"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {v!r}")
-        if self.prefill_chunk % self.block_size:
+        if self.prefill_chunk is not None and self.prefill_chunk % self.block_size:
             raise ValueError(f"`prefill_chunk` ({self.prefill_chunk}) must be a multiple of `block_size` "
                              f"({self.block_size})")
         if self.num_blocks is not None and self.num_blocks < 1:

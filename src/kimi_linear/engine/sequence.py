@@ -94,6 +94,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0          # tokens whose KDA state / MLA latents are in the cache
         self.num_hashed = 0            # full blocks already registered for prefix sharing
+        self.table_synced = 0          # block-table entries already on the device (fixed-shape decode step)
         self.prefill_target = 0        # tokens to (re)compute after admission before sampling
         self.cached_tokens = 0         # prompt tokens served from the prefix cache (first admission)
         self.admitted_once = False
@@ -105,6 +106,13 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole list (prompts can be a million tokens long)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
 
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -6,9 +6,9 @@ Each is a small ``nn.Module`` whose parameter names are the checkpoint's; the KD
 
 from .activation import SiTUGLU, make_glu, silu_glu
 from .attn_res import AttnResState, depth_mix
-from .kda import KDAState, KimiDeltaAttention
+from .kda import KDAState, KimiDeltaAttention, PooledKDAState
 from .linear import Linear
-from .mla import LatentCache, NoPEMLA
+from .mla import LatentCache, NoPEMLA, PagedLatentView
 from .mlp import SwiGLUMLP
 from .moe import Expert, SigmoidTopKRouter, SparseMoE
 from .norm import GatedRMSNorm, RMSNorm
@@ -26,6 +26,8 @@ __all__ = [
     "LatentCache",
     "Linear",
     "NoPEMLA",
+    "PagedLatentView",
+    "PooledKDAState",
     "RMSNorm",
     "SigmoidTopKRouter",
     "SparseMoE",

@@ -36,6 +36,30 @@ class KDAState:
         self.recurrent = self.recurrent[rows]
 
 
+@dataclass
+class PooledKDAState:
+    """A batch's KDA states living in rows of a serving pool, read and written in place (no gathered copy).
+
+    conv_pool: [slots, W-1, 3*H*d]; rec_pool: [slots, H, d, d] float32; index: [B] int64 pool row of each batch row.
+    The one-token step gathers the conv windows (a few KB a row) but updates the recurrent memory (H*d*d*4 bytes,
+    2 MiB a row for Kimi-Linear-48B) inside the decode kernel through ``state_indices``: a gather and a scatter of
+    it would triple the bytes a decode step moves. Rows may share an index only where the row is padding (the
+    pool's scratch row): their writes race and the result there is never read.
+    """
+
+    conv_pool: torch.Tensor
+    rec_pool: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.conv_pool.index_select(0, self.index)
+
+    @conv.setter
+    def conv(self, window: torch.Tensor) -> None:
+        self.conv_pool.index_copy_(0, self.index, window.to(self.conv_pool.dtype))
+
+
 class KimiDeltaAttention(nn.Module):
     """One KDA block: projections, short conv, gates, the KDA operator, gated norm, output projection.
 
@@ -99,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def _conv(
-        self, x: torch.Tensor, state: KDAState | None, pos: torch.Tensor | None = None,
+        self, x: torch.Tensor, state: KDAState | PooledKDAState | None, pos: torch.Tensor | None = None,
         prev: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal depthwise conv + SiLU over q|k|v (:func:`kimi_linear.ops.conv.short_conv`, Triton on CUDA).
@@ -142,7 +166,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        state: KDAState | None = None,
+        state: KDAState | PooledKDAState | None = None,
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
@@ -178,17 +202,23 @@ class KimiDeltaAttention(nn.Module):
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         if context_parallel is not None:
             kda = context_parallel.chunk_kda            # chunk_kda's contract; the state comes from rank - 1
+        if isinstance(state, PooledKDAState):
+            if T != 1:
+                raise ValueError("a PooledKDAState serves one-token decode steps only (T == 1)")
+            memory = dict(initial_state=state.rec_pool, state_indices=state.index, output_final_state=False)
+        else:
+            memory = dict(initial_state=state.recurrent if state is not None else None,
+                          output_final_state=state is not None)
         o, final = kda(
             q, k, v, g, beta_raw,
             scale=d**-0.5,
-            initial_state=state.recurrent if state is not None else None,
-            output_final_state=state is not None,
+            **memory,
             use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
             **gate_args,
             cu_seqlens=cu_seqlens,
         )
-        if state is not None:
+        if isinstance(state, KDAState):
             state.recurrent = final
         gate = (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(B, T, H, d)
         o = self.o_norm(o, gate).reshape(B, T, H * d)

@@ -42,6 +42,34 @@ class LatentCache:
         self.buf = self.buf[rows]
 
 
+class PagedLatentView:
+    """One MLA layer's latents for a one-token decode batch, read in place from a paged pool (no gathered copy).
+
+    data: [num_blocks, block_size, width] the layer's pool; block_table: [B, max_blocks] int32 each row's blocks in
+    order; seq_lens: [B] int32 keys of each row including the new token; dst: [B] int64 flat index
+    (block * block_size + offset) where each row's new entry is written.
+    """
+
+    def __init__(self, data: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+        self.data, self.block_table, self.seq_lens, self.dst = data, block_table, seq_lens, dst
+
+    def write(self, entry: torch.Tensor) -> None:
+        """entry [B, 1, width]: store each row's new latent at ``dst``."""
+        self.data.view(-1, self.data.shape[-1]).index_copy_(0, self.dst, entry[:, 0].to(self.data.dtype))
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's keys as a dense [B, L, width] batch (L = max_blocks * block_size) and the key mask
+        [B, 1, 1, L] (PyTorch path)."""
+        B, nb = self.block_table.shape
+        bs, w = self.data.shape[1:]
+        entry = self.data.index_select(0, self.block_table.reshape(-1).long()).view(B, nb * bs, w)
+        pos = torch.arange(nb * bs, device=entry.device)
+        keep = pos[None] < self.seq_lens[:, None].long()                                   # [B, L]
+        # Zero what the mask hides: a probability of 0 times NaN in an unused block would still be NaN.
+        return entry.masked_fill(~keep[..., None], 0), keep[:, None, None]
+
+
 class NoPEMLA(nn.Module):
     """MLA without positional encoding: the ``k_rope`` slice is shared by all heads and never rotated.
 
@@ -117,7 +145,10 @@ class NoPEMLA(nn.Module):
         q = q.view(B, T, H, self.qk_dim).transpose(1, 2)                           # [B, H, T, qk]
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
-        if cache is not None:
+        if isinstance(cache, PagedLatentView):
+            cache.write(entry)
+            entry, attn_mask = cache.gather()
+        elif cache is not None:
             entry = cache.append(entry)                                            # [B, L, 576]
         if context_parallel is not None:
             entry, attn_mask = context_parallel.gather_latents(entry)             # [B, offset + T, 576]

@@ -99,7 +99,7 @@ class SparseMoE(nn.Module):
     when ``latent_norm``) and mapped back by ``routed_expert_up_proj``. The norm sits after the weighted sum, as in
     the released K3 (norm of the aggregate, then up-projection). Shared experts stay full width.
 
-    static_dispatch: when True (set by the engine's CUDA-graph decode step, ``engine/cuda_graph.py``), the routed
+    static_dispatch: when True (set by the fixed-shape decode step, ``model/paged.py``), the routed
     experts run through :meth:`_dense`, which has fixed shapes and never reads routing results on the host.
     """
 

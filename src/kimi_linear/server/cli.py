@@ -29,19 +29,20 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                         "sequences, at most 4 GiB of MLA blocks)")
     s.add_argument("--num-blocks", type=int, default=None, help="MLA latent blocks (overrides --memory)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per MLA block (default 16)")
-    s.add_argument("--prefill-chunk", type=int, default=64,
-                   help="prompt tokens per prefill forward, a multiple of --block-size; also where KDA states "
-                        "are snapshotted for prefix caching (default 64)")
+    s.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most prompt tokens of one request per step, a multiple of --block-size; also where KDA "
+                        "states are snapshotted for prefix caching (default 64 on CPU, 2048 on a GPU)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step: decode rows plus prompt chunks, equal-length chunks "
+                        "batched in one forward (default: --prefill-chunk on CPU, 8192 on a GPU)")
     s.add_argument("--num-snapshots", type=int, default=None, help="KDA prefix snapshots (default 4 x seqs)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     s.add_argument("--dtype", default="auto",
                    help="float32, bfloat16, float16 or auto (= the checkpoint's; float32 on CPU for 16-bit files)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available, else cpu)")
     s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay batched decode steps as CUDA graphs (default: on for a CUDA device)")
-    s.add_argument("--cuda-graph-max-len", type=int, default=8192,
-                   help="longest context a captured decode step covers; longer batches decode eagerly "
-                        "(default 8192)")
+                   help="replay batched decode steps as CUDA graphs, one per batch bucket, any context length "
+                        "(default: on for a CUDA device)")
     s.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: torch's choice minus one, leaving a core for HTTP)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -78,7 +79,7 @@ def build_server(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs, memory=parse_bytes(args.memory) if args.memory else None,
         num_blocks=args.num_blocks, block_size=args.block_size, prefill_chunk=args.prefill_chunk,
         prefix_caching=not args.no_prefix_caching, num_snapshots=args.num_snapshots,
-        cuda_graphs=args.cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
+        cuda_graphs=args.cuda_graphs, max_num_batched_tokens=args.max_num_batched_tokens,
     ).validate()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = KimiLinearForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device)

@@ -1,0 +1,92 @@
+"""The engine's model runner: turns a step plan into forwards and last-position logits.
+
+Decode rows go through the fixed-shape step (:mod:`kimi_linear.model.paged`, CUDA graphs per batch bucket) when
+the engine has one, else through the eager forward. Prompt chunks run eagerly: chunks of equal length from
+several sequences share one batched forward ([b, T]; each row continues from its own slot and its own latents,
+left-padded to the longest history and masked, which is exact).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kimi_linear.layers import LatentCache
+from kimi_linear.model.cache import HybridCache
+from kimi_linear.model.paged import DecodeGraphs
+
+from .cache_manager import CacheManager
+from .sequence import Sequence
+
+
+class ModelRunner:
+    """Forwards of one engine. ``graphs``: the fixed-shape decode step (``capture``: as CUDA graphs)."""
+
+    def __init__(self, model: Any, cache: CacheManager, graphs: bool, capture: bool) -> None:
+        self.model, self.cache = model, cache
+        self.device = model.device
+        self.graphs = DecodeGraphs(model, cache.pools, cache.cfg.max_num_seqs, capture) if graphs else None
+        self.graph_forwards = 0
+
+    def capture_all(self) -> int:
+        if self.graphs is None or not self.graphs.capture:
+            return 0
+        return self.graphs.capture_all()
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token of every sequence -> logits [B, vocab] float32; caches updated (not ``num_computed``)."""
+        if self.graphs is not None:
+            self.cache.sync_tables(seqs)
+            ids = [s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs]
+            logits = self.graphs.run(ids, [s.slot for s in seqs], [s.num_computed for s in seqs])
+            if logits is not None:
+                self.graph_forwards += 1
+                return logits
+        return self.forward(seqs, 1)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], T: int) -> torch.Tensor:
+        """Run tokens [num_computed, num_computed + T) of each sequence through the model with caches gathered
+        from the pools, write the new states / latents back. Returns last-position logits [B, vocab] float32."""
+        cm = self.cache
+        dtype = self.model.dtype
+        B = len(seqs)
+        ps = [s.num_computed for s in seqs]
+        L = max(ps)
+        cache = HybridCache([None] * len(self.model.model.layers))  # type: ignore[list-item]
+        for k, st in zip(cm.kda_idx, cm.slots.gather([s.slot for s in seqs])):
+            cache.layers[k] = st
+        bufs = []
+        for li, w in zip(cm.mla_idx, cm.widths):
+            lc = LatentCache(B, w, dtype, self.device)
+            lc.buf = torch.zeros(B, L + T, w, dtype=dtype, device=self.device)
+            lc.length = L
+            cache.layers[li] = lc
+            bufs.append(lc.buf)
+        for r, s in enumerate(seqs):
+            if ps[r]:
+                for buf, e in zip(bufs, cm.blocks.gather(s.block_table, ps[r])):
+                    buf[r, L - ps[r] : L] = e
+        cache.seq_len = L
+        if any(p != L for p in ps):
+            cache.key_mask = torch.arange(L, device=self.device)[None] >= torch.tensor(
+                [L - p for p in ps], device=self.device)[:, None]
+        ids = torch.tensor([s.token_slice(s.num_computed, s.num_computed + T) for s in seqs], device=self.device)
+        logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1].float()
+        cm.slots.scatter([s.slot for s in seqs], [cache.layers[k] for k in cm.kda_idx])
+        for r, s in enumerate(seqs):
+            cm.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
+        return logits
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """Prompt chunks, batched by length -> (sequence, last-position logits [vocab]) in the given order."""
+        by_len: dict[int, list[Sequence]] = {}
+        for s, T in chunks:
+            by_len.setdefault(T, []).append(s)
+        got: dict[int, torch.Tensor] = {}
+        for T, seqs in by_len.items():
+            logits = self.forward(seqs, T)
+            for r, s in enumerate(seqs):
+                got[id(s)] = logits[r]
+        return [(s, got[id(s)]) for s, _ in chunks]

@@ -1,0 +1,245 @@
+"""One-token decoding over pooled caches with fixed shapes, replayed as CUDA graphs per batch bucket.
+
+A decode step of the hybrid model reads every active weight once and each row's cache once; on a GPU it is bound
+by memory and, at small batches, by kernel launches. A CUDA graph replays the whole step as one launch, but fixes
+every shape and address and cannot read a device value on the host. The step therefore works on *pools*:
+
+- KDA layers: a conv-window pool and a float32 memory pool with one row per slot; the decode kernel reads and
+  writes the memory in place through the rows' slot indices (:class:`~kimi_linear.layers.PooledKDAState`);
+- MLA layers: a pool of latent blocks per layer and one block table ``[slots, max_blocks]`` (int32, on the device,
+  row = slot) that says which blocks hold a slot's tokens in order; attention reads the latents through it
+  (:class:`~kimi_linear.layers.PagedLatentView`, the paged decode kernel on CUDA);
+- its inputs are three int64 vectors (token id, slot, cached length per row), so a graph depends on the batch
+  size alone: one graph per batch bucket (1, 2, 4, ..., ``max_batch``), whatever the rows' context lengths;
+- padding rows point at the pools' scratch slot, whose block-table row names only the scratch block: they write
+  nowhere else, and no real row reads scratch memory (not even NaN there can reach a real row);
+- nothing on the path reads a device value on the host: the model's ``forward`` (whose input-id check reads the ids
+  back) is bypassed for embedding -> ``run_layers`` -> norm -> lm_head, and MoE layers use their static dispatch.
+
+Users: the serving engine (its pools) and :func:`~kimi_linear.model.generation.generate` on CUDA (its own small
+pools, :meth:`DecodePools.allocate`). Weights must not change once graphs are captured (a graph holds their
+addresses).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kimi_linear.layers import PagedLatentView, PooledKDAState, SparseMoE
+
+if TYPE_CHECKING:
+    from .modeling import KimiLinearForCausalLM
+
+log = logging.getLogger("kimi_linear.decode")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: powers of two below ``max_batch``, then ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+@dataclass
+class DecodePools:
+    """The tensors a fixed-shape decode step reads and writes (bookkeeping of who owns what lives elsewhere).
+
+    conv: per KDA layer [slots, W-1, 3*H*d]; rec: per KDA layer [slots, H, d, d] float32; latents: per MLA layer
+    [blocks, block_size, width]; block_table: [slots, max_blocks] int32, row s = the blocks of the sequence in
+    slot s, in order (entries past its length: any valid block). scratch_slot / scratch_block: what padding rows
+    use; the scratch slot's block-table row holds only the scratch block.
+    """
+
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]
+    latents: list[torch.Tensor]
+    block_table: torch.Tensor
+    block_size: int
+    scratch_slot: int
+    scratch_block: int
+
+    @classmethod
+    def allocate(cls, model: KimiLinearForCausalLM, num_slots: int, max_tokens: int,
+                 block_size: int = 64) -> DecodePools:
+        """Pools for ``num_slots`` sequences of up to ``max_tokens`` tokens each, slot s owning blocks
+        ``s * max_blocks ..`` (what :func:`generate` needs), plus the scratch slot and block."""
+        layers = model.model.layers
+        kda = [layer.self_attn for layer in layers if layer.is_kda]
+        widths = [layer.self_attn.cache_width for layer in layers if not layer.is_kda]
+        dtype, device = model.dtype, model.device
+        nb = max(1, math.ceil(max_tokens / block_size))
+        rows, blocks = num_slots + 1, num_slots * nb + 1
+        table = torch.arange(num_slots * nb, dtype=torch.int32, device=device).view(num_slots, nb)
+        table = torch.cat([table, torch.full((1, nb), blocks - 1, dtype=torch.int32, device=device)])
+        return cls(
+            conv=[torch.zeros(rows, m.conv_size - 1, 3 * m.num_heads * m.head_dim, dtype=dtype, device=device)
+                  for m in kda],
+            rec=[torch.zeros(rows, m.num_heads, m.head_dim, m.head_dim, dtype=torch.float32, device=device)
+                 for m in kda],
+            latents=[torch.zeros(blocks, block_size, w, dtype=dtype, device=device) for w in widths],
+            block_table=table, block_size=block_size, scratch_slot=num_slots, scratch_block=blocks - 1,
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.conv, *self.rec, *self.latents, self.block_table])
+
+
+def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Tensor, slots: torch.Tensor,
+                lens: torch.Tensor) -> torch.Tensor:
+    """One token of every row: ids, slots, lens [b] int64 (lens = tokens already cached) -> logits [b, vocab]
+    float32. Appends each row's KDA state and latent to its slot and block in place. Fixed shapes, no host sync."""
+    m = model.model
+    caches: list[Any] = []
+    kda_j = mla_j = 0
+    if pools.latents:
+        table = pools.block_table.index_select(0, slots)                                # [b, max_blocks]
+        bs = pools.block_size
+        dst = table.gather(1, (lens // bs)[:, None])[:, 0].long() * bs + lens % bs      # [b] flat write index
+        seq_lens = (lens + 1).to(torch.int32)
+    for layer in m.layers:
+        if layer.is_kda:
+            caches.append(PooledKDAState(pools.conv[kda_j], pools.rec[kda_j], slots))
+            kda_j += 1
+        else:
+            caches.append(PagedLatentView(pools.latents[mla_j], table, seq_lens, dst))
+            mla_j += 1
+    moes = [mod for mod in model.modules() if isinstance(mod, SparseMoE)]
+    for moe in moes:
+        moe.static_dispatch = True
+    try:
+        x = m.run_layers(m.embed_tokens(ids[:, None]), caches, None, None)
+        return model.lm_head(m.norm(x))[:, -1].float()
+    finally:
+        for moe in moes:
+            moe.static_dispatch = False
+
+
+@dataclass
+class _Bucket:
+    """One padded batch size: its static input buffer ids | slots | lens (int64 [3b]), and on CUDA its graph and
+    output logits [b, vocab]."""
+
+    inputs: torch.Tensor
+    graph: Any = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeGraphs:
+    """:func:`decode_step` per batch bucket, captured as CUDA graphs (``capture``) or run eagerly (CPU tests).
+
+    broken: why capturing failed (then every step runs eagerly and :meth:`run` returns None).
+    """
+
+    model: Any
+    pools: DecodePools
+    max_batch: int
+    capture: bool
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+    capture_seconds: float = 0.0
+    broken: str | None = None
+
+    def __post_init__(self) -> None:
+        self.sizes = batch_buckets(self.max_batch)
+        self.device = self.pools.block_table.device
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.sizes if b >= n), None)
+
+    @torch.inference_mode()
+    def run(self, ids: Sequence[int], slots: Sequence[int], lens: Sequence[int]) -> torch.Tensor | None:
+        """Host lists of n rows -> logits [n, vocab] float32 (a view of the graph's output: read it before the next
+        call), or None when no bucket fits or capturing failed (then the caller decodes another way). One
+        host-to-device copy of 3b int64s per step."""
+        n = len(ids)
+        b = self.bucket(n)
+        if b is None or self.broken is not None:
+            return None
+        pad = b - n
+        host = torch.tensor([*ids, *[0] * pad, *slots, *[self.pools.scratch_slot] * pad, *lens, *[0] * pad],
+                            dtype=torch.int64)
+        return self._replay(b, host, n)
+
+    @torch.inference_mode()
+    def run_device(self, ids: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+        """Like :meth:`run` with the rows' inputs already on the device ([n] int64 each): no host sync, so a
+        generation loop can sample, feed back and replay without reading anything back."""
+        n = ids.shape[0]
+        b = self.bucket(n)
+        if b is None or self.broken is not None:
+            return None
+        if b != n:
+            pad = b - n
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            slots = torch.cat([slots, slots.new_full((pad,), self.pools.scratch_slot)])
+            lens = torch.cat([lens, lens.new_zeros(pad)])
+        return self._replay(b, torch.cat([ids, slots, lens]), n)
+
+    def _replay(self, b: int, inputs: torch.Tensor, n: int) -> torch.Tensor | None:
+        step = self.buckets.get(b) or self._build(b)
+        if step is None:
+            return None
+        step.inputs.copy_(inputs, non_blocking=inputs.device.type == "cpu" and inputs.is_pinned())
+        if step.graph is None:
+            return self.forward(step.inputs, b)[:n]
+        step.graph.replay()
+        assert step.logits is not None
+        return step.logits[:n]
+
+    def forward(self, inputs: torch.Tensor, b: int) -> torch.Tensor:
+        """The step a graph captures: static ``inputs`` [3b] -> logits [b, vocab] float32."""
+        return decode_step(self.model, self.pools, inputs[:b], inputs[b : 2 * b], inputs[2 * b :])
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Build (capture) every bucket not built yet, largest first (smaller graphs then reuse the shared pool's
+        memory). Returns the number of buckets held."""
+        for b in reversed(self.sizes):
+            if b not in self.buckets and self.broken is None:
+                self._build(b)
+        return len(self.buckets)
+
+    def _build(self, b: int) -> _Bucket | None:
+        step = _Bucket(torch.empty(3 * b, dtype=torch.int64, device=self.device))
+        if self.capture:
+            t0 = time.perf_counter()
+            try:
+                self._capture(step, b)
+            except Exception as e:     # never fail a request over a graph: decode another way from now on
+                self.broken = f"{type(e).__name__}: {e}"
+                log.exception("CUDA graph capture failed for batch %d; decoding eagerly", b)
+                return None
+            self.capture_seconds += time.perf_counter() - t0
+        self.buckets[b] = step
+        return step
+
+    def _capture(self, step: _Bucket, b: int) -> None:
+        # Warm-up and capture with padding rows only: the warm-up really runs (it compiles the Triton kernels and
+        # builds cached weights outside the graph) and so must touch nothing but the scratch slot and block.
+        s = self.pools.scratch_slot
+        step.inputs.copy_(torch.tensor([0] * b + [s] * b + [0] * b, dtype=torch.int64))
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            self.forward(step.inputs, b)
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine runs in its own thread; other threads' CUDA calls must not abort the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            step.logits = self.forward(step.inputs, b)
+        step.graph = graph
