@@ -116,7 +116,7 @@ class EngineLoop:
                     except Exception as e:  # never leave clients hanging: fail what is running, keep serving
                         log.exception("engine step failed")
                         for seq in list(self.engine.running) + list(self.engine.waiting):
-                            self.engine._finish(seq, "error", emit=True)
+                            self.engine.fail_request(seq, f"the engine step failed: {type(e).__name__}: {e}")
                         del e
                 self._stats = self.engine.stats()
                 self._flush()

@@ -16,6 +16,7 @@ After each forward :meth:`LLMEngine.step` samples, checks stop conditions and em
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,9 +27,11 @@ import torch
 from .cache_manager import CacheManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingError, SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, Status
+
+log = logging.getLogger("kimi_linear.engine")
 
 
 class LLMEngine:
@@ -173,6 +176,7 @@ class LLMEngine:
             request_id=seq.request_id, token_ids=seq.pending, text=text, finished=final,
             finish_reason=seq.finish_reason if final else None, logprobs=seq.pending_lp,
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens,
+            error=seq.error if final else None,
         )
         seq.pending, seq.pending_lp = [], []
         if seq.on_output is not None:
@@ -191,9 +195,11 @@ class LLMEngine:
         if seq.num_computed < seq.num_tokens():
             return
         p = seq.params
-        if logits.device.type != "cpu" and (greedy is None or p.temperature != 0 or p.logprobs is not None):
+        if greedy is not None and greedy < 0:
+            raise SamplingError("the model produced NaN logits")
+        if logits.device.type != "cpu" and (greedy is None or not p.is_greedy() or p.logprobs is not None):
             logits = logits.cpu()        # the request's generator lives on the CPU; log-probs read many values
-        tok = greedy if greedy is not None and p.temperature == 0 else sample(logits, p, seq.generator)
+        tok = greedy if greedy is not None and p.is_greedy() else sample(logits, p, seq.generator)
         seq.output_ids.append(tok)
         seq.pending.append(tok)
         if p.logprobs is not None:
@@ -216,6 +222,39 @@ class LLMEngine:
         else:
             self._emit(seq, text)
 
+    # ------------------------------------------------------------------------------------ per-request isolation
+    def _after_forward_isolated(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """:meth:`_after_forward` for one row of a batch: a failure in this request's own sampling, stop checks,
+        detokenization or output callback (NaN logits, a tokenizer error, ...) ends this request alone with
+        ``finish_reason="error"``; the other rows of the batch go on exactly as they would have."""
+        try:
+            self._after_forward(seq, logits, greedy)
+        except Exception as e:
+            self.fail_request(seq, e)
+
+    def fail_request(self, seq: Sequence, err: BaseException | str) -> None:
+        """End ``seq`` with ``finish_reason="error"`` and ``err`` as its message, freeing its slot and blocks.
+        Touches nothing that could fail again for this request (no detokenization; a failing output callback is
+        logged). Also what the background thread uses when a whole step fails."""
+        msg = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        if not isinstance(err, str):
+            log.warning("request %s failed: %s", seq.request_id, msg, exc_info=not isinstance(err, SamplingError))
+        seq.error = msg[:500]
+        if seq.status != Status.FINISHED:
+            self._finish(seq, "error", emit=False)
+        try:
+            self._emit(seq, "")
+        except Exception:
+            log.exception("request %s: its output callback failed", seq.request_id)
+
+    @staticmethod
+    def _greedy_readback(logits: torch.Tensor) -> list[int | None]:
+        """Every row's argmax in one device read-back (GPU), -1 for a row with NaN logits; [None] * B on a CPU
+        (there rows are sampled one by one, which checks them)."""
+        if logits.device.type == "cpu":
+            return [None] * logits.shape[0]
+        return torch.where(logits.isnan().any(-1), -1, logits.argmax(-1)).tolist()
+
     # ---------------------------------------------------------------------------------------------------- step
     def step(self) -> None:
         """One scheduling round: plan (admit, reserve), one batched decode forward, the prompt chunks; then sample
@@ -227,15 +266,15 @@ class LLMEngine:
             logits = self.runner.decode(plan.decode)
             self._advance(plan.decode, 1)
             # On a GPU, one read-back for every greedy row instead of one per row.
-            greedy = logits.argmax(-1).tolist() if logits.device.type != "cpu" else [None] * len(plan.decode)
+            greedy = self._greedy_readback(logits)
             for r, s in enumerate(plan.decode):
-                self._after_forward(s, logits[r], greedy[r])
+                self._after_forward_isolated(s, logits[r], greedy[r])
         if plan.prefill:
             self._counters["prefill_forwards"] += len({T for _, T in plan.prefill})
             for (s, T), (_, logits) in zip(plan.prefill, self.runner.prefill(plan.prefill)):
                 self._advance([s], T)
                 self.cache.register_blocks(s, snapshot=True)
-                self._after_forward(s, logits)
+                self._after_forward_isolated(s, logits)
         if not self.running and self.waiting:
             self.scheduler.admit()          # the step may have finished every running sequence
             if not self.running:

@@ -1,4 +1,9 @@
-"""Per-request sampling: greedy or temperature / top-k / top-p with the request's own seeded generator."""
+"""Per-request sampling: greedy or temperature / top-k / top-p with the request's own seeded generator.
+
+Temperatures below :data:`MIN_TEMPERATURE` sample greedily: dividing logits by 1e-38 overflows them to inf and the
+softmax to NaN, and anything that small is greedy in effect. Non-finite logits raise :class:`SamplingError`, which
+the engine turns into an error for that request alone.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kimi_linear.model.generation import sample_next
+
+# Below this a temperature is treated as 0 (greedy). At 1e-2 logits of magnitude up to 1e36 stay finite in float32.
+MIN_TEMPERATURE = 1e-2
+# What torch.Generator.manual_seed accepts: any 64-bit integer, signed or unsigned.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingError(ArithmeticError):
+    """One request's logits or sampling went wrong (NaN / inf): that request ends with an error, not the batch."""
 
 
 @dataclass
@@ -35,14 +49,20 @@ class SamplingParams:
             raise ValueError(f"`top_k` must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"`logprobs` must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"`seed` must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("`stop` must be a non-empty string or a list of non-empty strings")
         return self
 
+    def is_greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """A private generator per request: a seeded request samples the same tokens whatever else is running."""
-    if params.temperature == 0:
+    if params.is_greedy():
         return None
     g = torch.Generator()
     if params.seed is not None:
@@ -53,11 +73,17 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [vocab] (float32) -> one token id."""
-    if params.temperature == 0:
+    """logits [vocab] (float32) -> one token id. Raises :class:`SamplingError` for NaN logits, or for
+    probabilities that are not finite after temperature and filtering."""
+    if bool(torch.isnan(logits).any()):
+        raise SamplingError("the model produced NaN logits")
+    if params.is_greedy():
         return int(logits.argmax())
     top_k = params.top_k if params.top_k > 0 else 0
-    return int(sample_next(logits[None], params.temperature, top_k, params.top_p, generator)[0])
+    try:
+        return int(sample_next(logits[None], params.temperature, top_k, params.top_p, generator)[0])
+    except RuntimeError as e:       # torch.multinomial: "probability tensor contains either inf, nan or element < 0"
+        raise SamplingError(f"sampling failed: {e}") from e
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

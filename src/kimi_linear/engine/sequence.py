@@ -102,6 +102,7 @@ class Sequence:
         self.pending: list[int] = []   # tokens sampled since the last emitted output
         self.pending_lp: list = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with finish_reason "error"
 
     @property
     def tokens(self) -> list[int]:
