@@ -1,14 +1,23 @@
 """The OpenAI-compatible HTTP API (FastAPI): models, completions, chat completions, SSE streaming, health,
-Prometheus metrics, optional API key."""
+Prometheus metrics, optional API key.
+
+Request bodies are size- and time-limited before the routes see them (:class:`.limits.BodyLimitMiddleware`), then
+parsed, validated (:mod:`.protocol`) and tokenized in worker threads, so the event loop only moves bytes: /health
+and the token streams of running requests never wait behind a large or hostile request.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,21 +27,92 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kimi_linear.engine.background import EngineLoop
 from kimi_linear.engine.sequence import RequestOutput
 
+from .limits import BodyLimitMiddleware, ServerLimits, prompt_char_bound
+from .memory import malloc_trim
 from .metrics import render_metrics
-from .protocol import APIError, ParsedRequest, fallback_chat_prompt, parse_common, parse_messages, parse_prompt
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ParsedRequest,
+    fallback_chat_prompt,
+    parse_json,
+    sampling_params,
+    short,
+    validate,
+)
+
+log = logging.getLogger("kimi_linear.server")
 
 
 class ServerState:
-    """What the routes share: the engine loop, the tokenizer, the served model names."""
+    """What the routes share: the engine loop, the tokenizer, the served model names, the limits, the worker
+    threads that parse and tokenize requests, the requests in flight (for a graceful shutdown)."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Any, model_name: str, aliases: tuple[str, ...] = ()) -> None:
+    def __init__(self, loop: EngineLoop, tokenizer: Any, model_name: str, aliases: tuple[str, ...] = (),
+                 limits: ServerLimits | None = None) -> None:
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
         self.names = {model_name, *aliases}
         self.created = int(time.time())
         self.started = time.monotonic()
+        self.limits = (limits or ServerLimits()).validate()
+        self.max_prompt_chars = self.limits.max_prompt_chars or (
+            prompt_char_bound(tokenizer, loop.engine.max_context) if tokenizer is not None else None)
+        # Parsing, validation and tokenization of a request body (up to --max-body-bytes) run here, not on the
+        # event loop, so /health and the token streams of other requests never wait for them.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kimi-linear-http")
+        self.active: set[str] = set()           # request ids handed to the engine and not yet answered
+        self.preparing = 0                       # requests being parsed / tokenized
+        self.draining = False
+        self.used = False                        # anything happened since memory was last given back
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def tok_str(self, t: int) -> str:
         return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
+    async def offload(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # ------------------------------------------------------------------------------------------------- shutdown
+    def begin_shutdown(self) -> None:
+        """Called from the signal handler: stop admitting requests, give running ones ``shutdown_timeout`` seconds,
+        then abort the rest (their streams end with an error event, non-streaming ones get 503)."""
+        if self.event_loop is not None and not self.draining:
+            self.event_loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.warning("shutting down: no new requests; %d running get up to %g s to finish (--shutdown-timeout)",
+                    len(self.active), self.limits.shutdown_timeout)
+        self._tasks.append(asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.limits.shutdown_timeout
+        while (self.active or self.preparing) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("shutting down: aborting %d requests still running after %g s", len(self.active),
+                        self.limits.shutdown_timeout)
+        for rid in list(self.active):
+            self.loop.abort(rid)
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests", code="server_shutting_down",
+                           type_="server_error")
+
+    # ------------------------------------------------------------------------------------------------- memory
+    async def give_back_memory_when_idle(self, period: float = 1.0) -> None:
+        """Once nothing runs (engine and HTTP), return the C allocator's free pages to the OS (see .memory)."""
+        while True:
+            await asyncio.sleep(period)
+            st = self.loop.stats()
+            if self.used and not self.active and not self.preparing and not st["running"] and not st["waiting"]:
+                self.used = False
+                await asyncio.get_running_loop().run_in_executor(None, malloc_trim)
 
 
 class APIKeyMiddleware:
@@ -56,24 +136,46 @@ class APIKeyMiddleware:
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="kimi-linear", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.event_loop = asyncio.get_running_loop()
+        state._tasks.append(asyncio.ensure_future(state.give_back_memory_when_idle()))
+        try:
+            yield
+        finally:
+            for t in state._tasks:
+                t.cancel()
+            state.pool.shutdown(wait=False)
+
+    app = FastAPI(title="kimi-linear", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.kl = state
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         err = APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=e.status_code)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.error("internal error: %s: %s", type(e).__name__, e)
+        err = APIError(500, f"internal server error ({type(e).__name__})", type_="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    # Outermost first: the API key (cheap), then the body size / time limit, then the routes.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_body_bytes,
+                       timeout=state.limits.timeout_request_body)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -88,51 +190,84 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _json(request)
-        _check_model(state, body)
-        req = parse_common(body, chat=False)
-        text, ids = parse_prompt(body)
-        if body.get("echo"):
-            raise APIError(400, "`echo` is not supported", "echo")
-        if ids is None:
-            ids = state.tokenizer.encode(text, add_special_tokens=False)
-        return await _serve(state, req, ids, chat=False, request=request)
+        return await _handle(state, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await _json(request)
-        _check_model(state, body)
-        req = parse_common(body, chat=True)
-        msgs = parse_messages(body)
-        tok = state.tokenizer
+        return await _handle(state, request, chat=True)
+
+    return app
+
+
+@dataclass
+class Prepared:
+    req: ParsedRequest
+    ids: list[int]
+    chat: bool
+
+
+async def _handle(state: ServerState, request: Request, chat: bool) -> Response:
+    state.check_admitting()
+    state.used = True
+    raw = await request.body()
+    state.preparing += 1
+    try:
+        prep = await state.offload(prepare, state, raw, chat)
+    finally:
+        state.preparing -= 1
+    state.check_admitting()
+    return await _serve(state, prep, request)
+
+
+def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
+    """Body -> validated request and prompt token ids (in a worker thread). Raises APIError."""
+    body = parse_json(raw, state.limits.max_json_depth)
+    n = body.get("prompt")
+    if isinstance(n, list) and len(n) >= state.loop.engine.max_context:     # before validating every element
+        raise APIError(400, f"`prompt` has {len(n)} tokens; the model's context is {state.loop.engine.max_context} "
+                       "tokens", "prompt", code="context_length_exceeded")
+    r = validate(ChatCompletionRequest if chat else CompletionRequest, body)
+    if r.model not in state.names:
+        raise APIError(404, f"The model {short(r.model, 200)} does not exist; this server serves "
+                       f"`{state.model_name}`", "model", code="model_not_found")
+    req = sampling_params(r, chat)
+    tok = state.tokenizer
+    field = "messages" if chat else "prompt"
+    if chat:
+        msgs = [{"role": m.role, "content": m.content} for m in r.messages]
+        _check_chars(state, sum(len(m["content"]) for m in msgs), field)
+        if tok is None:
+            raise APIError(400, "this server has no tokenizer: use /v1/completions with token ids", field)
         if getattr(tok, "chat_template", None):
             prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         else:
             prompt = fallback_chat_prompt(msgs)
         ids = tok.encode(prompt, add_special_tokens=False)
-        return await _serve(state, req, ids, chat=True, request=request)
-
-    return app
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    elif isinstance(r.prompt, str):
+        _check_chars(state, len(r.prompt), field)
+        if tok is None:
+            raise APIError(400, "this server has no tokenizer: send `prompt` as token ids", field)
+        ids = tok.encode(r.prompt, add_special_tokens=False)
+    else:
+        ids = r.prompt
+    engine = state.loop.engine
+    params = req.params
+    if params.max_tokens < 0:
+        params.max_tokens = max(engine.max_context - len(ids), 0)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body
+        engine.check_request(ids, params)
+    except ValueError as e:
+        code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
+        raise APIError(400, str(e), field, code=code) from e
+    return Prepared(req, ids, chat)
 
 
-def _check_model(state: ServerState, body: dict[str, Any]) -> None:
-    m = body.get("model")
-    if not isinstance(m, str):
-        raise APIError(400, "`model` is required (a string; see /v1/models)", "model")
-    if m not in state.names:
-        raise APIError(404, f"The model `{m}` does not exist; this server serves `{state.model_name}`", "model",
-                       code="model_not_found")
+def _check_chars(state: ServerState, n: int, field: str) -> None:
+    """Refuse a prompt string that cannot fit the context, before tokenizing it."""
+    if state.max_prompt_chars is not None and n > state.max_prompt_chars:
+        raise APIError(400, f"`{field}` has {n} characters, more than any prompt that fits the context of "
+                       f"{state.loop.engine.max_context} tokens can have ({state.max_prompt_chars}, "
+                       "--max-prompt-chars)", field, code="context_length_exceeded")
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -158,33 +293,42 @@ def _logprobs(state: ServerState, outs: list[RequestOutput], chat: bool) -> dict
             "top_logprobs": [{state.tok_str(a): b for a, b in alts} for _, _, alts in items], "text_offset": offsets}
 
 
-async def _serve(state: ServerState, req: ParsedRequest, ids: list[int], chat: bool, request: Request) -> Response:
-    params = req.params
-    engine = state.loop.engine
-    if params.max_tokens < 0:
-        params.max_tokens = max(engine.max_context - len(ids), 0)
-    try:
-        engine.check_request(ids, params)
-    except ValueError as e:
-        code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
-        raise APIError(400, str(e), "messages" if chat else "prompt", code=code) from e
+SHUTDOWN_ERROR = {"message": "the server is shutting down: this request was stopped before it finished",
+                  "type": "server_error", "param": None, "code": "server_shutting_down"}
+
+
+async def _serve(state: ServerState, prep: Prepared, request: Request) -> Response:
+    req, ids, chat = prep.req, prep.ids, prep.chat
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-    gen = state.loop.generate(rid, ids, params)
+    gen = state.loop.generate(rid, ids, req.params)
     if req.stream:
         return StreamingResponse(_sse(state, req, gen, rid, created, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    outs = await _collect(gen, request)
+    state.active.add(rid)
+    try:
+        outs = await _collect(gen, request)
+    finally:
+        state.active.discard(rid)
     if outs is None:                      # the client went away: the request was aborted, nobody reads this
         return Response(status_code=499)
     last = outs[-1]
     if last.finish_reason == "error":
         raise APIError(500, f"the engine failed on this request: {last.error or 'internal error'}",
                        type_="server_error")
+    if last.finish_reason == "abort":     # only a shutdown aborts a request whose client is still there
+        return JSONResponse({"error": SHUTDOWN_ERROR}, status_code=503)
+    body = await state.offload(_response_body, state, req, ids, outs, rid, created, chat)
+    return Response(body, media_type="application/json")
+
+
+def _response_body(state: ServerState, req: ParsedRequest, ids: list[int], outs: list[RequestOutput], rid: str,
+                   created: int, chat: bool) -> bytes:
+    """A non-streaming response (in a worker thread: log-probs decode every token)."""
+    last = outs[-1]
     text = "".join(o.text for o in outs)
     choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
-                              "logprobs": _logprobs(state, outs, chat) if params.logprobs is not None else None}
+                              "logprobs": _logprobs(state, outs, chat) if req.params.logprobs is not None else None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -192,8 +336,8 @@ async def _serve(state: ServerState, req: ParsedRequest, ids: list[int], chat: b
     if req.return_token_ids:
         choice["token_ids"] = [t for o in outs for t in o.token_ids]
         choice["prompt_token_ids"] = ids
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                         "choices": [choice], "usage": _usage(last)})
+    return json.dumps({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                       "model": state.model_name, "choices": [choice], "usage": _usage(last)}).encode()
 
 
 async def _collect(gen: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput] | None:
@@ -230,20 +374,29 @@ async def _sse(state: ServerState, req: ParsedRequest, gen: AsyncIterator[Reques
         yield event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]})
     last = None
-    async for out in gen:     # closing this generator (client gone) aborts the request in the engine
-        last = out
-        if not out.text and not out.token_ids and not out.finished:
-            continue
-        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason,
-                                  "logprobs": _logprobs(state, [out], chat) if req.params.logprobs is not None
-                                  else None}
-        if chat:
-            choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
-        else:
-            choice["text"] = out.text
-        if req.return_token_ids:
-            choice["token_ids"] = out.token_ids
-        yield event({**base, "choices": [choice]})
+    state.active.add(rid)
+    try:
+        async for out in gen:     # closing this generator (client gone) aborts the request in the engine
+            last = out
+            if out.finish_reason == "abort":      # the server is shutting down (a gone client reads nothing)
+                yield event({"error": SHUTDOWN_ERROR})
+                yield b"data: [DONE]\n\n"
+                return
+            if not out.text and not out.token_ids and not out.finished:
+                continue
+            choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason,
+                                      "logprobs": _logprobs(state, [out], chat) if req.params.logprobs is not None
+                                      else None}
+            if chat:
+                choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
+            else:
+                choice["text"] = out.text
+            if req.return_token_ids:
+                choice["token_ids"] = out.token_ids
+            yield event({**base, "choices": [choice]})
+    finally:
+        state.active.discard(rid)
+        await gen.aclose()        # runs its `finally`: a request not finished (client gone) is aborted
     if req.include_usage and last is not None:
         yield event({**base, "choices": [], "usage": _usage(last)})
     yield b"data: [DONE]\n\n"

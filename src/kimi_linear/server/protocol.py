@@ -1,143 +1,281 @@
-"""OpenAI request parsing (with errors that name the field) and the OpenAI error body."""
+"""The OpenAI request schema at the HTTP boundary, and the OpenAI error body.
+
+Requests are pydantic v2 models with strict types and bounds (``"ignore_eos": "false"`` is a 400, not ``True``):
+integers are integers, booleans booleans, strings valid Unicode (no lone surrogates, which JSON's ``\\ud800`` escapes
+can produce and which cannot be encoded back), chat roles one of ``system``, ``user``, ``assistant``, ``tool``.
+Unknown fields are ignored. Every refusal is an :class:`APIError` whose ``param`` names the field
+(``messages[2].role``, ``stream_options.include_usage``).
+
+Bodies are parsed by :func:`parse_json`, which refuses ``NaN`` / ``Infinity`` literals and nesting deeper than a
+limit (naming the top-level field where it happens) before anything walks the parsed object.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from kimi_linear.engine import SamplingParams
+from kimi_linear.engine.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN
+
+INT64_MAX = 2**63 - 1
+ROLES = ("system", "user", "assistant", "tool")
+MAX_LOGPROBS = 20
 
 
 class APIError(Exception):
     """An error the client caused (or an auth failure): rendered as OpenAI's error JSON with ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _num(body: dict, name: str, default: Any, kind: type | tuple = (int, float)) -> Any:
-    v = body.get(name, default)
+def short(v: Any, n: int = 60) -> str:
+    """A client's value for an error message: ASCII-only repr (lone surrogates escaped), cut to ``n`` characters."""
+    r = ascii(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------------ JSON parsing
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"`{name}` is not valid JSON (non-finite numbers are not allowed)")
+
+
+# A string token as an unrolled loop (runs of plain characters matched in one go: fast on a megabyte prompt), or
+# one structural character.
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}:]', re.S)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _too_deep_at(text: str, limit: int) -> str | None:
+    """The top-level key under which ``text`` (valid JSON up to its deepest point) nests deeper than ``limit``
+    levels, "" when not under a key, None when it does not. Linear: strings are skipped by one regex match each,
+    and the scan stops at the first level past the limit."""
+    depth, key, last = 0, "", None
+    for m in _JSON_TOKENS.finditer(text):
+        t = m.group()
+        if t in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return key
+        elif t in ("]", "}"):
+            depth -= 1
+        elif t == ":":
+            if depth == 1 and last is not None:
+                try:
+                    key = str(json.loads(last))
+                except ValueError:
+                    key = ""
+        else:
+            last = t
+    return None
+
+
+def parse_json(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """A request body -> a dict, or APIError 400 (malformed JSON, not an object, nested deeper than ``max_depth``)."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        body = None                 # nested far past any sane limit: _too_deep_at names the field below
+    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError, a number with too many digits
+        raise APIError(400, f"request body is not valid JSON: {short(str(e), 200)}", code="invalid_json") from None
+    if body is None or text.count("[") + text.count("{") > max_depth:
+        where = _too_deep_at(text, max_depth)
+        if where is not None or body is None:
+            field = where or None
+            raise APIError(400, f"request body nests JSON deeper than {max_depth} levels"
+                           + (f" in `{field}`" if field else "") + " (the server's --max-json-depth)", field,
+                           code="json_too_deep")
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+# ----------------------------------------------------------------------------------------------------- schema
+def valid_unicode(s: str) -> str:
+    """JSON's escapes can spell lone surrogates (``"\\ud800"``), which are no Unicode text: nothing can encode them
+    (a tokenizer, a log line, the JSON response), so they are refused here. Pairs were joined by the parser."""
+    m = _SURROGATE.search(s)
+    if m is not None:
+        raise ValueError(f"is not valid Unicode (a lone surrogate U+{ord(m.group()):04X} at index {m.start()})")
+    return s
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _prompt(v: Any) -> str | list[int]:
+    """``prompt``: a non-empty string or list of token ids, or a one-element list of either (one prompt)."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise ValueError("is empty")
+        return valid_unicode(v)
+    if isinstance(v, list) and v:
+        for i, t in enumerate(v):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
+                raise ValueError(f"holds {short(t)} at index {i}, not a token id (a non-negative integer)")
+        return v
+    raise ValueError("must be a non-empty string or a non-empty list of token ids (one prompt per request)")
+
+
+def _stop(v: Any) -> list[str] | None:
     if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, kind):
-        raise APIError(400, f"`{name}` must be {'an integer' if kind is int else 'a number'}, got {v!r}", name)
-    return v
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not 1 <= len(v) <= 4 or not all(isinstance(s, str) and s for s in v):
+        raise ValueError("must be a non-empty string or a list of 1 to 4 non-empty strings")
+    return [valid_unicode(s) for s in v]
 
 
+def _content(v: Any) -> str:
+    """A message's ``content``: a string, a list of text parts, or null (= "")."""
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return valid_unicode(v)
+    if isinstance(v, list):
+        parts = []
+        for i, x in enumerate(v):
+            if not isinstance(x, dict) or x.get("type") != "text" or not isinstance(x.get("text"), str):
+                raise ValueError(f"part {i} is not a text part ({{\"type\": \"text\", \"text\": \"...\"}}); only "
+                                 "text is supported")
+            parts.append(valid_unicode(x["text"]))
+        return "".join(parts)
+    raise ValueError("must be a string, a list of text parts or null")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, PlainValidator(_content)] = ""
+    name: Text | None = None
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(valid_unicode)]
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: Annotated[list[str] | None, PlainValidator(_stop)] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None      # only 0 is served
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None     # only 0 is served
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    # Extensions (the openai client's extra_body).
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Annotated[str | list[int], PlainValidator(_prompt)]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None        # only false is served
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=100_000)]
+    max_completion_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+_HINTS = {
+    "n": " (this server returns one choice per request)",
+    "temperature": f" (0 is greedy; values below {MIN_TEMPERATURE:g} sample greedily too)",
+    "seed": " (a 64-bit integer)",
+}
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out
+
+
+def validate(model: type[_Strict], body: dict[str, Any]) -> Any:
+    """``body`` -> ``model``, or APIError 400 naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param(err["loc"]) or None
+        if err["type"] == "value_error":
+            msg = str(err["ctx"]["error"])
+        else:
+            msg = err["msg"][:1].lower() + err["msg"][1:]
+            if err["type"] != "missing":
+                msg += f", got {short(err['input'])}"
+        top = str(err["loc"][0]) if err["loc"] else ""
+        sep = " " if err["type"] == "value_error" else ": "
+        raise APIError(400, f"`{param}`{sep}{msg}{_HINTS.get(top, '')}" if param else msg, param) from None
+
+
+# ---------------------------------------------------------------------------------------- to engine parameters
 @dataclass
 class ParsedRequest:
-    prompt_text: str | None
-    prompt_ids: list[int] | None
     params: SamplingParams
     stream: bool
     include_usage: bool
     return_token_ids: bool
 
 
-def parse_common(body: dict, chat: bool) -> ParsedRequest:
-    """Sampling fields shared by completions and chat completions."""
+def sampling_params(r: CompletionRequest | ChatCompletionRequest, chat: bool) -> ParsedRequest:
+    """Validated request -> engine parameters. ``max_tokens`` -1: as many as the context leaves (chat default)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(r, name):
+            raise APIError(400, f"`{name}` is not supported (only 0)", name)
+    if getattr(r, "echo", None):
+        raise APIError(400, "`echo` is not supported", "echo")
     if chat:
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        mt_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    else:
-        mt, mt_name = body.get("max_tokens"), "max_tokens"
-    if mt is None:
-        mt = 16 if not chat else None
-    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
-        raise APIError(400, f"`{mt_name}` must be a non-negative integer, got {mt!r}", mt_name)
-    n = _num(body, "n", 1, int)
-    if n != 1:
-        raise APIError(400, f"`n` must be 1 (this server returns one choice per request), got {n}", "n")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise APIError(400, "`stop` must be a non-empty string or a list of up to 4 non-empty strings", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise APIError(400, "`stop_token_ids` must be a list of integers", "stop_token_ids")
-    if chat:
-        lp = body.get("logprobs")
-        if lp is not None and not isinstance(lp, bool):
-            raise APIError(400, f"`logprobs` must be a boolean for chat completions, got {lp!r}", "logprobs")
-        top = _num(body, "top_logprobs", 0, int)
-        logprobs = top if lp else None
-        if top and not lp:
+        assert isinstance(r, ChatCompletionRequest)
+        mt = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+        if r.top_logprobs and not r.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
+        logprobs = (r.top_logprobs or 0) if r.logprobs else None
     else:
-        logprobs = _num(body, "logprobs", None, int)
-    seed = _num(body, "seed", None, int)
+        mt = r.max_tokens if r.max_tokens is not None else 16
+        logprobs = r.logprobs
     params = SamplingParams(
         max_tokens=mt if mt is not None else -1,
-        temperature=float(_num(body, "temperature", 1.0)),
-        top_p=float(_num(body, "top_p", 1.0)),
-        top_k=_num(body, "top_k", 0, int),
-        seed=seed, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        logprobs=logprobs,
+        temperature=r.temperature if r.temperature is not None else 1.0,
+        top_p=r.top_p if r.top_p is not None else 1.0,
+        top_k=r.top_k if r.top_k is not None else 0,
+        seed=r.seed, stop=r.stop or [], stop_token_ids=list(r.stop_token_ids or []),
+        ignore_eos=bool(r.ignore_eos), logprobs=logprobs,
     )
-    try:
-        if params.max_tokens >= 0:
-            params.validate()
-        else:
-            params.max_tokens = 0
-            params.validate()
-            params.max_tokens = -1
-    except ValueError as e:
-        field = str(e).split("`")[1] if "`" in str(e) else None
-        raise APIError(400, str(e), field) from e
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, f"`stream` must be a boolean, got {stream!r}", "stream")
-    so = body.get("stream_options") or {}
-    if not isinstance(so, dict):
-        raise APIError(400, "`stream_options` must be an object", "stream_options")
-    return ParsedRequest(None, None, params, stream, bool(so.get("include_usage", False)),
-                         bool(body.get("return_token_ids", False)))
-
-
-def parse_prompt(body: dict) -> tuple[str | None, list[int] | None]:
-    """``prompt``: a string, a list of token ids, or a one-element list of either."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise APIError(400, "`prompt` is empty", "prompt")
-        return p, None
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return None, p
-    raise APIError(400, "`prompt` must be a non-empty string or list of token ids (one prompt per request)",
-                   "prompt")
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "`messages` must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"`messages[{i}]` must be an object with a string `role`", f"messages[{i}]")
-        c = m.get("content")
-        if isinstance(c, list):   # [{type: text, text: ...}, ...]
-            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
-                raise APIError(400, f"`messages[{i}].content` parts must be text parts", f"messages[{i}].content")
-            c = "".join(x["text"] for x in c)
-        if c is None:
-            c = ""
-        if not isinstance(c, str):
-            raise APIError(400, f"`messages[{i}].content` must be a string or a list of text parts",
-                           f"messages[{i}].content")
-        out.append({"role": m["role"], "content": c})
-    return out
+    so = r.stream_options
+    return ParsedRequest(params, bool(r.stream), bool(so is not None and so.include_usage), bool(r.return_token_ids))
 
 
 def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:

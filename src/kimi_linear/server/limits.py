@@ -1,0 +1,132 @@
+"""The server's limits (one place for their defaults, which README's serving section lists), the request-body
+guard, and the prompt-length bound checked before a string is tokenized."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 2**20
+
+
+@dataclass
+class ServerLimits:
+    """max_body_bytes: larger request bodies get 413 (from Content-Length before reading, else once the body
+        grows past it).
+    max_json_depth: deeper nesting gets 400 ``json_too_deep`` (at most 512: Python's parser recurses).
+    max_prompt_chars: a prompt string (or the chat messages' text together) longer than this gets 400
+        ``context_length_exceeded`` without being tokenized. None: derived from the model and tokenizer by
+        :func:`prompt_char_bound` (no prompt that fits the context is ever that long).
+    timeout_request_body: seconds a client has to send its whole body once the head is in (408 after).
+    max_connections, timeout_request_head: see :mod:`.connections`.
+    timeout_keep_alive: uvicorn's: idle seconds before a keep-alive connection is closed.
+    max_header_bytes: uvicorn's ``h11_max_incomplete_event_size``: a longer request head gets 400.
+    limit_concurrency: uvicorn's: beyond this many connections + requests in progress, requests get 503 (it counts
+        open connections too, so below ``max_connections`` a flood of idle sockets makes it refuse everyone: off
+        unless set).
+    shutdown_timeout: on SIGINT / SIGTERM, seconds running requests get to finish before they are aborted.
+    """
+
+    max_body_bytes: int = 16 * MiB
+    max_json_depth: int = 64
+    max_prompt_chars: int | None = None
+    timeout_request_body: float = 30.0
+    max_connections: int = 1024
+    timeout_request_head: float = 10.0
+    timeout_keep_alive: int = 5
+    max_header_bytes: int = 16 * 1024
+    limit_concurrency: int | None = None
+    shutdown_timeout: float = 30.0
+
+    def validate(self) -> ServerLimits:
+        for name in ("max_body_bytes", "max_connections", "max_header_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.max_json_depth <= 512:
+            raise ValueError(f"`max_json_depth` must be in [1, 512], got {self.max_json_depth}")
+        for name in ("timeout_request_body", "timeout_request_head", "timeout_keep_alive", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"`max_prompt_chars` must be >= 1, got {self.max_prompt_chars}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"`limit_concurrency` must be >= 1, got {self.limit_concurrency}")
+        return self
+
+
+def prompt_char_bound(tokenizer: Any, max_context: int) -> int:
+    """Characters beyond which a prompt cannot fit ``max_context`` tokens: every token stands for at most as many
+    characters as its longest vocabulary entry has (byte-level entries spell one character per byte, and a
+    character is at least one byte). A tokenizer with a normalizer (which may merge characters) gets 4x room."""
+    try:
+        longest = max(len(t) for t in tokenizer.get_vocab())
+    except Exception:       # a tokenizer without a string vocabulary: a generous guess
+        longest = 64
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    factor = 1 if backend is not None and getattr(backend, "normalizer", None) is None else 4
+    return max_context * max(longest, 1) * factor
+
+
+def _error(status: int, message: str, code: str) -> tuple[dict, bytes]:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]}
+    return start, body
+
+
+class BodyLimitMiddleware:
+    """Reads a request's body before the app sees it: 413 past ``max_bytes`` (from Content-Length when the client
+    sends one, so a 50 MB upload is refused before it is read), 408 when it takes longer than ``timeout``. The
+    app then gets the body in one message and the client's later messages (disconnect) as they come."""
+
+    def __init__(self, app: Any, max_bytes: int, timeout: float) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def _refuse(self, send: Any, status: int, message: str, code: str) -> None:
+        start, body = _error(status, message, code)
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers") or []:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                await self._refuse(send, 413, f"request body is {int(v)} bytes; this server accepts at most "
+                                   f"{self.max_bytes} (--max-body-bytes)", "request_too_large")
+                return
+        chunks, size, deadline = [], 0, time.monotonic() + self.timeout
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                await self._refuse(send, 408, f"request body not received within {self.timeout:g} s "
+                                   "(--timeout-request-body)", "request_timeout")
+                return
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send, 413, f"request body is over {self.max_bytes} bytes, the most this server "
+                                   "accepts (--max-body-bytes)", "request_too_large")
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
