@@ -1,10 +1,13 @@
-"""`kimi-linear serve` options for the decode step: --device, --cuda-graphs/--no-cuda-graphs, --cuda-graph-max-len."""
+"""`kimi-linear serve` options: the decode step (--device, --cuda-graphs/--no-cuda-graphs) and the limits."""
 
 from __future__ import annotations
 
 import argparse
 
-from kimi_linear.server.cli import add_serve_arguments, build_server
+import pytest
+
+from kimi_linear.server.cli import add_serve_arguments, build_server, limits_from_args
+from kimi_linear.server.limits import ServerLimits
 
 
 def parse(model: str, *argv: str) -> argparse.Namespace:
@@ -15,20 +18,36 @@ def parse(model: str, *argv: str) -> argparse.Namespace:
 
 def test_cuda_graph_flags_parse():
     a = parse("ckpt")
-    assert a.cuda_graphs is None and a.device == "auto" and a.cuda_graph_max_len == 8192
+    assert a.cuda_graphs is None and a.device == "auto"
     assert parse("ckpt", "--cuda-graphs").cuda_graphs is True
     assert parse("ckpt", "--no-cuda-graphs").cuda_graphs is False
-    assert parse("ckpt", "--cuda-graph-max-len", "1024").cuda_graph_max_len == 1024
 
 
 def test_engine_gets_the_options(checkpoint):
     """On CPU: no graphs by default; --cuda-graphs runs the fixed-shape step eagerly (nothing to capture)."""
-    for flags, on in (((), False), (("--cuda-graphs", "--cuda-graph-max-len", "512"), True)):
-        _, loop = build_server(parse(checkpoint, "--device", "cpu", "--threads", "1", *flags))
+    for flags, on in (((), False), (("--cuda-graphs",), True)):
+        app, loop = build_server(parse(checkpoint, "--device", "cpu", "--threads", "1", *flags))
         try:
             e = loop.engine
             assert (e.graphs is not None) == on and e.device.type == "cpu"
             if e.graphs is not None:
-                assert e.graphs.lengths == [256, 512] and not e.graphs.capture and not e.graphs.steps
+                assert not e.graphs.capture and not e.graphs.buckets
+            assert app.state.kl.limits == limits_from_args(parse(checkpoint))
         finally:
             loop.close()
+
+
+def test_limit_options():
+    d = limits_from_args(parse("ckpt"))
+    assert d.max_body_bytes == 16 * 2**20 and d.max_json_depth == 64 and d.max_prompt_chars is None
+    assert d.shutdown_timeout == 30 and d.timeout_request_head == 10 and d.timeout_keep_alive == 5
+    assert d.limit_concurrency is None and 1 <= d.max_connections <= ServerLimits().max_connections
+    got = limits_from_args(parse("ckpt", "--max-body-bytes", "2MiB", "--max-json-depth", "8", "--max-prompt-chars",
+                                 "1000", "--max-connections", "32", "--timeout-request-head", "2.5",
+                                 "--shutdown-timeout", "3", "--limit-concurrency", "64", "--max-header-bytes", "4096"))
+    assert (got.max_body_bytes, got.max_json_depth, got.max_prompt_chars, got.max_connections) == (2**21, 8, 1000, 32)
+    assert (got.timeout_request_head, got.shutdown_timeout, got.limit_concurrency, got.max_header_bytes) == \
+        (2.5, 3, 64, 4096)
+    for bad in (("--max-json-depth", "1000"), ("--shutdown-timeout", "0"), ("--max-connections", "0")):
+        with pytest.raises(ValueError):
+            limits_from_args(parse("ckpt", *bad))

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from .connections import guarded_h11, install_log_rate_limit
+
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", nargs="?", default=None,
@@ -46,6 +48,70 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: torch's choice minus one, leaving a core for HTTP)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_limit_arguments(s)
+
+
+def add_limit_arguments(s: argparse.ArgumentParser) -> None:
+    """Limits against careless and hostile clients (defaults: :class:`kimi_linear.server.limits.ServerLimits`)."""
+    from .limits import ServerLimits
+
+    d = ServerLimits()
+    g = s.add_argument_group("limits", "what one client may send and hold (refusals are OpenAI error JSON)")
+    g.add_argument("--max-body-bytes", default=str(d.max_body_bytes),
+                   help=f"largest request body, e.g. 16MiB: 413 beyond (default {d.max_body_bytes // 2**20} MiB)")
+    g.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                   help=f"deepest JSON nesting in a body, at most 512: 400 beyond (default {d.max_json_depth})")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt string (or chat messages' text together), refused before tokenizing "
+                        "(default: the context x the tokenizer's longest token, which no prompt that fits exceeds)")
+    g.add_argument("--timeout-request-body", type=float, default=d.timeout_request_body,
+                   help=f"seconds to receive a whole request body: 408 after (default {d.timeout_request_body:g})")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections at most; at the cap a new one closes the oldest connection that holds no "
+                        "request, or is answered 503 when all do (default "
+                        f"{d.max_connections}, lowered to fit the open-file limit)")
+    g.add_argument("--timeout-request-head", type=float, default=d.timeout_request_head,
+                   help="seconds a connection has to send a complete request head, however it trickles "
+                        f"(default {d.timeout_request_head:g})")
+    g.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
+                   help=f"uvicorn's: idle keep-alive seconds (default {d.timeout_keep_alive})")
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help="uvicorn's h11_max_incomplete_event_size: longest request head, 400 beyond "
+                        f"(default {d.max_header_bytes})")
+    g.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
+                   help="uvicorn's: open connections + requests in progress beyond which requests get 503; counts "
+                        "idle connections too (default: off, --max-connections bounds connections)")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted "
+                        f"(streams end with an error event) (default {d.shutdown_timeout:g})")
+
+
+def limits_from_args(args: argparse.Namespace) -> Any:
+    from kimi_linear.engine import parse_bytes
+
+    from .limits import ServerLimits
+
+    max_conn = args.max_connections
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and max_conn > soft - 64:
+            max_conn = max(1, soft - 64)     # model files, the listening socket, threads' descriptors
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        body = parse_bytes(args.max_body_bytes)
+    except ValueError:
+        raise ValueError(f"`--max-body-bytes` must be a size like 16MiB or 1000000, got {args.max_body_bytes!r}"
+                         ) from None
+    return ServerLimits(
+        max_body_bytes=body, max_json_depth=args.max_json_depth,
+        max_prompt_chars=args.max_prompt_chars, timeout_request_body=args.timeout_request_body,
+        max_connections=max_conn, timeout_request_head=args.timeout_request_head,
+        timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes,
+        limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
+    ).validate()
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -69,7 +135,9 @@ def build_server(args: argparse.Namespace) -> Any:
     from kimi_linear.model.tokenizer import load_tokenizer
 
     from .app import ServerState, create_app
+    from .memory import cpu_16bit_without_onednn
 
+    limits = limits_from_args(args)
     if args.model is None:
         args.model = resolve_model(None)
         args.served_model_name = args.served_model_name or NAME
@@ -83,12 +151,15 @@ def build_server(args: argparse.Namespace) -> Any:
     ).validate()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = KimiLinearForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device)
+    if cpu_16bit_without_onednn(model):
+        print(f"kimi-linear serve: {model.dtype} on a CPU: oneDNN off (its per-shape kernel cache grows by GBs over "
+              "long generations); --dtype float32 is faster on most CPUs", file=sys.stderr, flush=True)
     tok = load_tokenizer(args.model)
     engine = LLMEngine(model, cfg, tok)
     engine.capture_cuda_graphs()      # before serving: no request waits for a capture
     loop = EngineLoop(engine)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    state = ServerState(loop, tok, name, aliases=(args.model, os.path.normpath(args.model)))
+    state = ServerState(loop, tok, name, aliases=(args.model, os.path.normpath(args.model)), limits=limits)
     return create_app(state, api_key=args.api_key), loop
 
 
@@ -107,14 +178,42 @@ def run_serve(args: argparse.Namespace) -> int:
           f"{e.cfg.block_size} tokens {b['mla_blocks'] / 2**20:.1f} MiB, snapshots {b['kda_snapshots'] / 2**20:.1f} "
           f"MiB){'  [api key required]' if args.api_key else ''}", file=sys.stderr, flush=True)
     if e.graphs is not None and e.graphs.capture:
-        print(f"kimi-linear serve: {len(e.graphs.steps)} CUDA graphs captured in {e.graphs.capture_seconds:.1f} s"
+        print(f"kimi-linear serve: {len(e.graphs.buckets)} CUDA graphs captured in {e.graphs.capture_seconds:.1f} s"
               + (f" (capture failed, decoding eagerly: {e.graphs.broken})" if e.graphs.broken else ""),
               file=sys.stderr, flush=True)
+    state = app.state.kl
+    lim = state.limits
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        http=guarded_h11(lim.max_connections, lim.timeout_request_head),
+        limit_concurrency=lim.limit_concurrency, timeout_keep_alive=lim.timeout_keep_alive,
+        h11_max_incomplete_event_size=lim.max_header_bytes,
+        # A backstop only: the app aborts what still runs after --shutdown-timeout, which ends every response.
+        timeout_graceful_shutdown=int(lim.shutdown_timeout) + 10,
+    )
+    install_log_rate_limit()        # after uvicorn.Config, which (re)configures its loggers
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        _make_server(config, on_exit=state.begin_shutdown).run()
+    except KeyboardInterrupt:       # uvicorn re-raises the SIGINT it handled once it has shut down
+        pass
     finally:
         loop.close()
     return 0
+
+
+def _make_server(config: Any, on_exit: Any) -> Any:
+    """uvicorn's server, telling the app (``on_exit``) the moment SIGINT / SIGTERM arrives: uvicorn itself only
+    stops accepting connections and then waits for every response to end, however long."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                on_exit()
+
+    return Server(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,169 @@
+"""Connection limits under uvicorn's HTTP/1.1 (h11) protocol, and rate-limited logging of refusals.
+
+uvicorn bounds header size (``h11_max_incomplete_event_size``), idle keep-alive time (``timeout_keep_alive``) and
+requests in progress (``limit_concurrency``, which answers 503 but keeps the sockets), but it neither caps open
+connections nor times out a client that trickles its request head a byte at a time (its keep-alive timer restarts
+on every byte): ~20,000 such sockets exhaust the file descriptors. :func:`guarded_h11` adds both:
+
+- ``max_connections``: at the cap, a new connection first closes the *oldest connection still waiting for a
+  request head* (fresh or idle keep-alive, i.e. holding no request), so a flood of idle or trickling sockets cannot
+  lock out real clients; when every open connection holds a request, the new one is answered 503 (OpenAI error
+  JSON) and closed at once.
+- ``timeout_request_head``: a connection must deliver a complete request head within this many seconds of
+  connecting (or of its previous response), however slowly it trickles, or it is closed.
+
+Log lines about refusals (ours and uvicorn's "Exceeded concurrency limit." / "Invalid HTTP request received.",
+asyncio's accept errors, 503 access lines) go through :class:`RateLimitFilter`: the first per kind every
+``period`` seconds, then one line saying how many were suppressed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger("kimi_linear.server")
+
+REFUSAL_MESSAGES = ("Exceeded concurrency limit.", "Invalid HTTP request received.",
+                    "socket.accept() out of system resource", "refused a connection", "closed a connection")
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets the first record of each flood-prone kind through per ``period`` seconds; the next one that passes
+    says how many were dropped in between. Other records pass untouched."""
+
+    def __init__(self, period: float = 10.0) -> None:
+        super().__init__()
+        self.period = period
+        self._lock = threading.Lock()
+        self._state: dict[str, list[float]] = {}          # kind -> [window start, dropped]
+
+    @staticmethod
+    def kind(record: logging.LogRecord) -> str | None:
+        msg = str(record.msg)
+        for m in REFUSAL_MESSAGES:
+            if msg.startswith(m):
+                return m
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) >= 5 \
+                and record.args[4] in (503, 408, 413):
+            return f"access {record.args[4]}"
+        return None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        k = self.kind(record)
+        if k is None:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            st = self._state.setdefault(k, [-1e9, 0])
+            if now - st[0] < self.period:
+                st[1] += 1
+                return False
+            dropped, st[0], st[1] = int(st[1]), now, 0
+        if dropped:
+            record.msg = f"{record.msg} [{dropped} more like this in the previous {self.period:g} s not logged]"
+        return True
+
+
+def install_log_rate_limit(period: float = 10.0) -> RateLimitFilter:
+    f = RateLimitFilter(period)
+    for name in ("uvicorn.error", "uvicorn.access", "asyncio", "kimi_linear.server"):
+        logging.getLogger(name).addFilter(f)
+    return f
+
+
+def _refusal_bytes(max_connections: int) -> bytes:
+    body = json.dumps({"error": {
+        "message": f"the server has {max_connections} connections open, each with a request in progress "
+                   "(--max-connections); retry later", "type": "server_error", "param": None,
+        "code": "too_many_connections"}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
+    """A subclass of uvicorn's h11 protocol with a cap on open connections and a request-head deadline (see the
+    module docstring); pass it as ``uvicorn.Config(http=...)``."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    live: set[Any] = set()                                  # accepted and not being closed by us
+    waiting: OrderedDict[Any, None] = OrderedDict()         # live connections waiting for a request head, oldest first
+    refusal = _refusal_bytes(max_connections)
+
+    class GuardedH11Protocol(H11Protocol):
+        _refused = False
+        _head_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            if len(live) >= max_connections and not self._evict_oldest_waiting():
+                self._refused = True
+                self.transport = transport
+                log.warning("refused a connection: %d open, all with a request in progress (--max-connections)",
+                            len(live))
+                transport.write(refusal)
+                transport.close()
+                return
+            live.add(self)
+            super().connection_made(transport)
+            self._await_head()
+
+        @staticmethod
+        def _evict_oldest_waiting() -> bool:
+            if not waiting:
+                return False
+            old, _ = waiting.popitem(last=False)
+            old._stop_head_timer()
+            live.discard(old)
+            log.warning("closed a connection that held no request to admit a new one (--max-connections %d)",
+                        max_connections)
+            old.transport.close()
+            return True
+
+        def _await_head(self) -> None:
+            waiting[self] = None
+            waiting.move_to_end(self)
+            self._stop_head_timer()
+            self._head_timer = self.loop.call_later(timeout_request_head, self._head_timed_out)
+
+        def _stop_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self in waiting:
+                waiting.pop(self, None)
+                live.discard(self)
+                log.warning("closed a connection that sent no complete request head in %g s "
+                            "(--timeout-request-head)", timeout_request_head)
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            super().data_received(data)
+            if self in waiting and self.conn.their_state is not h11.IDLE:     # a whole request head arrived
+                waiting.pop(self, None)
+                self._stop_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if (self in live and not self.transport.is_closing() and self.conn.our_state is h11.IDLE
+                    and self.conn.their_state is h11.IDLE):
+                self._await_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            waiting.pop(self, None)
+            live.discard(self)
+            self._stop_head_timer()
+            if self._refused:
+                return
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
