@@ -76,7 +76,7 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
                    help=f"uvicorn's: idle keep-alive seconds (default {d.timeout_keep_alive})")
     g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
-                   help="uvicorn's h11_max_incomplete_event_size: longest request head, 400 beyond "
+                   help="uvicorn's h11_max_incomplete_event_size: bytes of a request head still incomplete, 400 beyond "
                         f"(default {d.max_header_bytes})")
     g.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
                    help="uvicorn's: open connections + requests in progress beyond which requests get 503; counts "

@@ -91,6 +91,9 @@ def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    bad_request = json.dumps({"error": {
+        "message": "invalid HTTP request (malformed, or a request head over --max-header-bytes)",
+        "type": "invalid_request_error", "param": None, "code": "invalid_http_request"}}).encode()
     live: set[Any] = set()                                  # accepted and not being closed by us
     waiting: OrderedDict[Any, None] = OrderedDict()         # live connections waiting for a request head, oldest first
     refusal = _refusal_bytes(max_connections)
@@ -157,6 +160,14 @@ def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
             if (self in live and not self.transport.is_closing() and self.conn.our_state is h11.IDLE
                     and self.conn.their_state is h11.IDLE):
                 self._await_head()
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request h11 cannot parse, as OpenAI error JSON instead of plain text."""
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                          h11.Data(data=bad_request), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             waiting.pop(self, None)

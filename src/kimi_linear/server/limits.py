@@ -23,7 +23,8 @@ class ServerLimits:
     timeout_request_body: seconds a client has to send its whole body once the head is in (408 after).
     max_connections, timeout_request_head: see :mod:`.connections`.
     timeout_keep_alive: uvicorn's: idle seconds before a keep-alive connection is closed.
-    max_header_bytes: uvicorn's ``h11_max_incomplete_event_size``: a longer request head gets 400.
+    max_header_bytes: uvicorn's ``h11_max_incomplete_event_size``: a request head still incomplete past this many
+        bytes gets 400.
     limit_concurrency: uvicorn's: beyond this many connections + requests in progress, requests get 503 (it counts
         open connections too, so below ``max_connections`` a flood of idle sockets makes it refuse everyone: off
         unless set).
