@@ -8,7 +8,7 @@ from .activation import SiTUGLU, make_glu, silu_glu
 from .attn_res import AttnResState, depth_mix
 from .kda import KDAState, KimiDeltaAttention
 from .linear import Linear
-from .mla import LatentCache, NoPEMLA
+from .mla import LatentCache, NoPEMLA, PagedLatentView
 from .mlp import SwiGLUMLP
 from .moe import Expert, SigmoidTopKRouter, SparseMoE
 from .norm import GatedRMSNorm, RMSNorm
@@ -26,6 +26,7 @@ __all__ = [
     "LatentCache",
     "Linear",
     "NoPEMLA",
+    "PagedLatentView",
     "RMSNorm",
     "SigmoidTopKRouter",
     "SparseMoE",

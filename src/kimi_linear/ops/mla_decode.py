@@ -75,8 +75,8 @@ def check_paged_mla_decode_inputs(q: torch.Tensor, cache: torch.Tensor, block_ta
 def paged_mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_mla_decode` in PyTorch: gather every table block ([B, max_blocks * block_size, C + R]), then
-    dense float32 attention with the keys at or past ``seq_lens`` masked. Returns ``(ctx [B, H, C] in q's dtype,
-    lse [B, H] float32)``.
+    dense float32 (float64 for float64 inputs) attention with the keys at or past ``seq_lens`` masked. Returns
+    ``(ctx [B, H, C] in q's dtype, lse [B, H] in that float32 / float64)``.
 
     Masked keys are zeroed as well as given no weight: a block past a row's length may hold anything, NaN
     included, and ``0 * NaN`` would leak it into the product.
@@ -85,10 +85,11 @@ def paged_mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, block_table: to
     bs = cache.shape[1]
     nb = block_table.shape[1]
     L = nb * bs
-    entry = cache.index_select(0, block_table.reshape(-1).long()).view(B, L, W).float()    # [B, L, W]
+    acc = torch.promote_types(torch.promote_types(q.dtype, cache.dtype), torch.float32)   # float64 stays float64
+    entry = cache.index_select(0, block_table.reshape(-1).long()).view(B, L, W).to(acc)   # [B, L, W]
     valid = torch.arange(L, device=q.device)[None] < seq_lens[:, None]                    # [B, L]
     entry = entry.masked_fill(~valid[..., None], 0.0)
-    s = torch.einsum("bhw,blw->bhl", q.float(), entry) * float(scale)                     # [B, H, L]
+    s = torch.einsum("bhw,blw->bhl", q.to(acc), entry) * float(scale)                     # [B, H, L]
     s = s.masked_fill(~valid[:, None], float("-inf"))
     lse = torch.logsumexp(s, -1)                                                           # [B, H]; -inf: no keys
     # a row without keys (seq_len 0, e.g. a padding row) gets ctx 0, not the NaN of an empty softmax
@@ -114,7 +115,8 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         captured in a CUDA graph. Ignored by the PyTorch path.
 
     Returns ctx [B, H, C] in q's dtype ``= softmax(scale * q K^T) K[:, :C]``, and with ``return_lse`` also
-    lse [B, H] float32, the natural log of the softmax denominator (for merging with other key sets).
+    lse [B, H] float32 (float64 for float64 inputs), the natural log of the softmax denominator (for merging
+    with other key sets).
     """
     check_paged_mla_decode_inputs(q, cache, block_table, seq_lens, scale, kv_lora_rank, num_splits)
     fast = triton_op("paged_mla_decode", q)
