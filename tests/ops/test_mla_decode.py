@@ -175,7 +175,9 @@ def test_default_num_splits_static_heuristic():
     assert default_num_splits(128, 32, 256, 16, 132) == 1 and default_num_splits(256, 32, 256, 16, 132) == 1
     # short tables are not cut below 256 keys a split; the count never depends on anything but these shapes
     assert default_num_splits(1, 32, 16, 16, 132) == 1 and default_num_splits(1, 32, 64, 16, 132) == 4
-    assert 1 <= default_num_splits(32, 32, 256, 16, 132) <= 16
+    assert default_num_splits(32, 32, 256, 16, 132) == 4
+    # a long table is cut into pieces of at most 8k keys whatever the batch (one long row among short ones)
+    assert default_num_splits(32, 32, 16384, 16, 132) == 32 and default_num_splits(256, 32, 16384, 16, 132) == 32
 
 
 # --------------------------------------------------------------------------------------------------- arguments

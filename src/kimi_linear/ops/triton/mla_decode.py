@@ -41,10 +41,13 @@ LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, 
 MERGE_BV = 128          # channels per merge program
 MERGE_BS = 16           # splits merged per step of the merge loop
 
-# Split heuristic (default_num_splits): about PROGRAMS_PER_SM split programs per SM in flight, no split shorter
-# than MIN_SPLIT_KEYS keys of the longest possible row, at most MAX_SPLITS.
+# Split heuristic (default_num_splits): about PROGRAMS_PER_SM split programs per SM in flight (two fit by registers
+# and shared memory), a full-length row cut into pieces of at most MAX_SPLIT_KEYS keys (lengths are unknown on the
+# host: a batch may hold one long row among short ones, whose single program would finish last), no piece shorter
+# than MIN_SPLIT_KEYS keys, at most MAX_SPLITS.
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_KEYS = 256
+MAX_SPLIT_KEYS = 8192
 MAX_SPLITS = 512
 
 
@@ -180,14 +183,18 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
                        block_h: int = 16) -> int:
     """Splits per row from static shapes only (a CUDA graph fixes the grid; the lengths live on the device).
 
-    Enough split programs for about PROGRAMS_PER_SM per SM (batch * head blocks * splits), but no split shorter
-    than MIN_SPLIT_KEYS keys of the longest row the table can hold, and at most MAX_SPLITS. One row at 1M tokens
-    with 32 heads on 132 SMs: 132 splits of ~8k keys, 264 programs; 128 or 256 rows at 4k: one split (256+
-    programs already, and no merge pass); 32 rows at 4k: 4 splits of 1k keys.
+    Enough split programs for about PROGRAMS_PER_SM per SM (batch * head blocks * splits), and enough splits that a
+    row as long as the table allows is cut into pieces of at most MAX_SPLIT_KEYS keys (so one long row among short
+    ones does not finish long after them); but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and
+    at most MAX_SPLITS. A row's keys are divided among the splits by its own length on the device, and splits past
+    a short row's keys do nothing. On 132 SMs with 32 heads (2 head blocks): one row at 1M tokens, 132 splits of
+    ~8k keys (264 programs); 128 or 256 rows at 4k, one split (no merge pass); 32 rows at 4k, 4 splits of 1k keys;
+    32 rows at 256k, 32 splits of 8k keys.
     """
     programs = max(1, batch * triton.cdiv(heads, block_h))
-    want = max(1, (PROGRAMS_PER_SM * sms) // programs)
-    most = max(1, triton.cdiv(max_blocks * block_size, MIN_SPLIT_KEYS))
+    max_len = max_blocks * block_size
+    want = max((PROGRAMS_PER_SM * sms) // programs, triton.cdiv(max_len, MAX_SPLIT_KEYS), 1)
+    most = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
     return min(want, most, MAX_SPLITS)
 
 
