@@ -176,8 +176,10 @@ def test_default_num_splits_static_heuristic():
     # short tables are not cut below 256 keys a split; the count never depends on anything but these shapes
     assert default_num_splits(1, 32, 16, 16, 132) == 1 and default_num_splits(1, 32, 64, 16, 132) == 4
     assert default_num_splits(32, 32, 256, 16, 132) == 4
-    # a long table is cut into pieces of at most 8k keys whatever the batch (one long row among short ones)
-    assert default_num_splits(32, 32, 16384, 16, 132) == 32 and default_num_splits(256, 32, 16384, 16, 132) == 32
+    # a long table is cut into pieces of at most 8k keys (one long row among short ones) while the launch stays
+    # under 16 programs per SM: a large batch fills the card anyway, and its partials grow with the splits
+    assert default_num_splits(32, 32, 16384, 16, 132) == 32 and default_num_splits(256, 32, 16384, 16, 132) == 4
+    assert default_num_splits(256, 32, 65536, 16, 132) == 4 and default_num_splits(128, 32, 65536, 16, 132) == 8
 
 
 # --------------------------------------------------------------------------------------------------- arguments

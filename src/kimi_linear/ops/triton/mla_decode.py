@@ -44,8 +44,11 @@ MERGE_BS = 16           # splits merged per step of the merge loop
 # Split heuristic (default_num_splits): about PROGRAMS_PER_SM split programs per SM in flight (two fit by registers
 # and shared memory), a full-length row cut into pieces of at most MAX_SPLIT_KEYS keys (lengths are unknown on the
 # host: a batch may hold one long row among short ones, whose single program would finish last), no piece shorter
-# than MIN_SPLIT_KEYS keys, at most MAX_SPLITS.
+# than MIN_SPLIT_KEYS keys, at most MAX_SPLITS. That cutting stops at LONG_ROW_PROGRAMS_PER_SM programs per SM in
+# all: a large batch fills the card without it, and its float32 partials grow as batch * heads * splits (256 rows
+# of a 1M-token table cut into 128 splits would take 2 GB and a merge pass over them every step).
 PROGRAMS_PER_SM = 2
+LONG_ROW_PROGRAMS_PER_SM = 16
 MIN_SPLIT_KEYS = 256
 MAX_SPLIT_KEYS = 8192
 MAX_SPLITS = 512
@@ -185,15 +188,16 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
 
     Enough split programs for about PROGRAMS_PER_SM per SM (batch * head blocks * splits), and enough splits that a
     row as long as the table allows is cut into pieces of at most MAX_SPLIT_KEYS keys (so one long row among short
-    ones does not finish long after them); but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and
-    at most MAX_SPLITS. A row's keys are divided among the splits by its own length on the device, and splits past
+    ones does not finish long after them) while that keeps the launch under LONG_ROW_PROGRAMS_PER_SM programs per
+    SM; but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and at most MAX_SPLITS. A row's keys are divided among the splits by its own length on the device, and splits past
     a short row's keys do nothing. On 132 SMs with 32 heads (2 head blocks): one row at 1M tokens, 132 splits of
     ~8k keys (264 programs); 128 or 256 rows at 4k, one split (no merge pass); 32 rows at 4k, 4 splits of 1k keys;
-    32 rows at 256k, 32 splits of 8k keys.
+    32 rows at 256k, 32 splits of 8k keys; 256 rows of a 1M-token table (a serving engine's), 4 splits.
     """
     programs = max(1, batch * triton.cdiv(heads, block_h))
     max_len = max_blocks * block_size
-    want = max((PROGRAMS_PER_SM * sms) // programs, triton.cdiv(max_len, MAX_SPLIT_KEYS), 1)
+    long_row = min(triton.cdiv(max_len, MAX_SPLIT_KEYS), max(1, (LONG_ROW_PROGRAMS_PER_SM * sms) // programs))
+    want = max((PROGRAMS_PER_SM * sms) // programs, long_row, 1)
     most = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
     return min(want, most, MAX_SPLITS)
 
