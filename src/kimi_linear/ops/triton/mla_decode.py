@@ -189,10 +189,11 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
     Enough split programs for about PROGRAMS_PER_SM per SM (batch * head blocks * splits), and enough splits that a
     row as long as the table allows is cut into pieces of at most MAX_SPLIT_KEYS keys (so one long row among short
     ones does not finish long after them) while that keeps the launch under LONG_ROW_PROGRAMS_PER_SM programs per
-    SM; but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and at most MAX_SPLITS. A row's keys are divided among the splits by its own length on the device, and splits past
-    a short row's keys do nothing. On 132 SMs with 32 heads (2 head blocks): one row at 1M tokens, 132 splits of
-    ~8k keys (264 programs); 128 or 256 rows at 4k, one split (no merge pass); 32 rows at 4k, 4 splits of 1k keys;
-    32 rows at 256k, 32 splits of 8k keys; 256 rows of a 1M-token table (a serving engine's), 4 splits.
+    SM; but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and at most MAX_SPLITS. A row's keys
+    are divided among the splits by its own length on the device, and splits past a short row's keys do nothing.
+    On 132 SMs with 32 heads (2 head blocks): one row at 1M tokens, 132 splits of ~8k keys (264 programs); 128 or
+    256 rows at 4k, one split (no merge pass); 32 rows at 4k, 4 splits of 1k keys; 32 rows at 256k, 32 splits of
+    8k keys; 256 rows of a 1M-token table (a serving engine's), 4 splits.
     """
     programs = max(1, batch * triton.cdiv(heads, block_h))
     max_len = max_blocks * block_size
