@@ -4,6 +4,7 @@ from .checks import KDAShape, check_kda_inputs
 from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
 from .conv import short_conv
 from .gate import fused_kda_gate, l2norm
+from .moe import fused_moe
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
@@ -15,6 +16,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_kda",
     "fused_kda_gate",
+    "fused_moe",
     "fused_recurrent_kda",
     "gated_rms_norm",
     "l2norm",
