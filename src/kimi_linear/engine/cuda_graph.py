@@ -16,11 +16,12 @@ shape and address and cannot read a device value on the host. So:
   block-table columns repeat its own first block, so a real row never reads scratch memory (not even NaN there can
   reach it) and a padding row never writes outside it;
 - nothing on the path reads a device value on the host: the model's ``forward`` (whose input-id check reads the ids
-  back) is bypassed for embedding -> ``run_layers`` -> norm -> lm_head, and MoE layers switch to a dense dispatch
-  (``SparseMoE.static_dispatch``) instead of routing on the host.
+  back) is bypassed for embedding -> ``run_layers`` -> norm -> lm_head, and MoE layers switch to a static dispatch
+  (``SparseMoE.static_dispatch``) instead of routing on the host: the fused MoE op on CUDA (sorts by expert on the
+  device), every expert on every row elsewhere.
 
 On CPU (``EngineConfig(cuda_graphs=True)``) the same step runs eagerly: the tests compare it with the normal path.
-Weights must not change once graphs are captured (a graph holds their addresses and the MoE's stacked copy).
+Weights must not change once graphs are captured (a graph holds their addresses and the MoE's stacked experts).
 """
 
 from __future__ import annotations
