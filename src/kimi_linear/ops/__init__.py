@@ -6,6 +6,7 @@ from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
 from .conv import short_conv
 from .gate import fused_kda_gate, l2norm
 from .mla_decode import paged_mla_decode
+from .moe import fused_moe
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
@@ -17,6 +18,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_kda",
     "fused_kda_gate",
+    "fused_moe",
     "fused_recurrent_kda",
     "gated_rms_norm",
     "l2norm",
