@@ -205,15 +205,17 @@ def cache_bytes_per_step(model: KimiLinearForCausalLM, batch: int, context: int)
 def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, steps: int, warmup: int,
                   **cfg: Any) -> dict:
     """Decode-only engine steps with ``batch`` rows past their prompts: tokens/s and step latency."""
-    need = math.ceil((prompt_len + warmup + steps + 4) / 16) + 1
+    need = math.ceil((2 * prompt_len + warmup + steps + 4) / 16) + 1
     engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, num_blocks=batch * need, num_snapshots=0,
                                            prefix_caching=False, **cfg))
     engine.capture_cuda_graphs()
     rng = random.Random(batch)
     vocab = model.config.vocab_size
     for i in range(batch):
+        # Rows prefilled in a later step start decoding later: no row may run out of tokens in the timed window.
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=warmup + steps + 2, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=prompt_len + warmup + steps + 2, temperature=0,
+                                          ignore_eos=True))
     t = time.perf_counter()
     while len(engine.running) < batch or any(s.num_tokens() - s.num_computed != 1 for s in engine.running):
         engine.step()
@@ -230,6 +232,8 @@ def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, ste
         lat.append(time.perf_counter() - t)
     wall = time.perf_counter() - t0
     assert len(engine.running) == batch, "a request finished inside the timed window"
+    for s in list(engine.running):
+        engine.abort(s.request_id)
     out = dict(batch=batch, prompt=prompt_len, tok_per_s=batch * steps / wall, step_ms=1e3 * wall / steps,
                step_ms_p50=1e3 * statistics.median(lat), prefill_s=prefill_s,
                graph_steps=engine.counters["graph_decode_forwards"])
