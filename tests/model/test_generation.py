@@ -112,3 +112,38 @@ def test_streamer_gets_prompt_then_each_token(model):
     out = model.generate(prompt, max_new_tokens=5, streamer=Recorder())
     assert torch.equal(seen[0], prompt) and seen[-1] is None
     assert torch.equal(torch.cat([s for s in seen[1:-1]]), out[0, 6:])
+
+
+@pytest.mark.parametrize("k3", [False, True])
+def test_fixed_shape_decode_path_equals_the_cache_path(model, k3):
+    """generate's GPU fast path (pools, paged latents, the fixed-shape step; run eagerly here) gives the tokens and
+    the step logits of the hybrid-cache path: a left-padded batch, greedy, then sampled with a seed; a second call
+    reuses the held pools and a longer one replaces them."""
+    if k3:
+        from kimi_linear.model import preset_config
+
+        torch.manual_seed(0)
+        m = KimiLinearForCausalLM(preset_config("k3-tiny")).init_weights(0).eval()
+    else:
+        m = model
+    prompts = [tokens(1, n, seed=40 + n)[0] % m.config.vocab_size for n in (9, 33, 20)]
+    T = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        batch[r, T - len(p):], mask[r, T - len(p):] = p, 1
+    for kw in (dict(), dict(do_sample=True, temperature=0.8, top_k=20, seed=3)):
+        ref, ref_logits = m.generate(batch, attention_mask=mask, max_new_tokens=12, return_logits=True,
+                                     cuda_graphs=False, **kw)
+        got, got_logits = m.generate(batch, attention_mask=mask, max_new_tokens=12, return_logits=True,
+                                     cuda_graphs=True, **kw)
+        assert torch.equal(got, ref)
+        assert rel_err(torch.stack(got_logits).float(), torch.stack(ref_logits).float()) < 1e-5
+    held = m._paged_decoder
+    m.generate(batch, attention_mask=mask, max_new_tokens=5, cuda_graphs=True)
+    assert m._paged_decoder is held                                  # same batch, fits: reused
+    long = torch.cat([batch, batch[:, :1].repeat(1, 3000)], dim=1)
+    m.generate(long, max_new_tokens=2, cuda_graphs=True)
+    assert m._paged_decoder is held                                  # capacity rounded up to 4096 tokens
+    m.generate(batch[:2], max_new_tokens=2, cuda_graphs=True)
+    assert m._paged_decoder is not held                              # another batch size: new pools

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kimi_linear.ops import paged_mla_decode
 
 from .context_parallel import ContextParallel
 from .linear import Linear
@@ -42,32 +46,30 @@ class LatentCache:
         self.buf = self.buf[rows]
 
 
+@dataclass
 class PagedLatentView:
-    """One MLA layer's latents for a one-token decode batch, read in place from a paged pool (no gathered copy).
+    """One MLA layer's paged block pool as seen by a batch of one-token decode rows (the engine builds one per layer
+    and step). Passed to :meth:`NoPEMLA.forward` as ``cache``, the layer writes each row's new entry into the pool
+    and attends over the row's blocks in place (:func:`kimi_linear.ops.paged_mla_decode`): the history is never
+    gathered into a dense buffer, and nothing reads a device value on the host (CUDA-graph capturable).
 
-    data: [num_blocks, block_size, width] the layer's pool; block_table: [B, max_blocks] int32 each row's blocks in
-    order; seq_lens: [B] int32 keys of each row including the new token; dst: [B] int64 flat index
-    (block * block_size + offset) where each row's new entry is written.
+    data: [num_blocks, block_size, kv_lora_rank + rope] the layer's pool (contiguous; written in place).
+    block_table: int32/int64 [B, max_blocks] each row's blocks in order (entries past the row's length unread).
+    seq_lens: int32/int64 [B] keys of each row *including* the new token (1 <= seq_lens <= max_blocks * block_size).
+    dst: int64 [B] flat row ``block * block_size + offset`` of ``data`` where each row's new entry goes (its
+        position seq_lens - 1). Padding rows point at a scratch block that no real row reads.
+    num_splits: override the kernel's split count (None: picked from the static shapes).
     """
 
-    def __init__(self, data: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 dst: torch.Tensor) -> None:
-        self.data, self.block_table, self.seq_lens, self.dst = data, block_table, seq_lens, dst
+    data: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    dst: torch.Tensor
+    num_splits: int | None = None
 
     def write(self, entry: torch.Tensor) -> None:
-        """entry [B, 1, width]: store each row's new latent at ``dst``."""
+        """Store each row's new entry [B, 1, width] at ``dst``."""
         self.data.view(-1, self.data.shape[-1]).index_copy_(0, self.dst, entry[:, 0].to(self.data.dtype))
-
-    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's keys as a dense [B, L, width] batch (L = max_blocks * block_size) and the key mask
-        [B, 1, 1, L] (PyTorch path)."""
-        B, nb = self.block_table.shape
-        bs, w = self.data.shape[1:]
-        entry = self.data.index_select(0, self.block_table.reshape(-1).long()).view(B, nb * bs, w)
-        pos = torch.arange(nb * bs, device=entry.device)
-        keep = pos[None] < self.seq_lens[:, None].long()                                   # [B, L]
-        # Zero what the mask hides: a probability of 0 times NaN in an unused block would still be NaN.
-        return entry.masked_fill(~keep[..., None], 0), keep[:, None, None]
 
 
 class NoPEMLA(nn.Module):
@@ -125,7 +127,7 @@ class NoPEMLA(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: LatentCache | None = None,
+        cache: LatentCache | PagedLatentView | None = None,
         attn_mask: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -133,6 +135,8 @@ class NoPEMLA(nn.Module):
 
         cache: appended to in place when given. attn_mask: bool [B, 1, T, L] (True = may attend) over all L cached
             keys, or None for a plain causal mask with no past and no padding (the model builds it).
+            A :class:`PagedLatentView` (one token per row, T == 1) is written and attended in place; its
+            ``seq_lens`` say which keys each row sees and attn_mask is ignored.
         context_parallel: x is this rank's piece of a sequence split along time (no cache, no attn_mask): the
             queries attend to the latents of every earlier rank and causally to their own.
         """
@@ -146,20 +150,30 @@ class NoPEMLA(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
         if isinstance(cache, PagedLatentView):
+            if T != 1 or context_parallel is not None:
+                raise ValueError(f"NoPEMLA: a PagedLatentView cache takes one token per row without context "
+                                 f"parallelism, got T={T}")
             cache.write(entry)
-            entry, attn_mask = cache.gather()
-        elif cache is not None:
-            entry = cache.append(entry)                                            # [B, L, 576]
-        if context_parallel is not None:
-            entry, attn_mask = context_parallel.gather_latents(entry)             # [B, offset + T, 576]
-        if T == 1 and cache is not None:
-            out = self._absorbed(q, entry, attn_mask)
+            out = self._paged(q, cache)
         else:
-            out = self._expanded(q, entry, attn_mask)
+            out = self._dense(q, entry, cache, attn_mask, context_parallel)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.output_gate:
             out = (upcast(out) * torch.sigmoid(upcast(self.g_proj(x)))).to(out.dtype)
         return self.o_proj(out)
+
+    def _dense(self, q: torch.Tensor, entry: torch.Tensor, cache: LatentCache | None,
+               attn_mask: torch.Tensor | None, context_parallel: ContextParallel | None) -> torch.Tensor:
+        """Attention over a dense latent history (LatentCache, or none). q: [B, H, T, qk]; entry: [B, T, 576]
+        the new entries. Returns [B, H, T, v]."""
+        T = q.shape[2]
+        if cache is not None:
+            entry = cache.append(entry)                                            # [B, L, 576]
+        if context_parallel is not None:
+            entry, attn_mask = context_parallel.gather_latents(entry)             # [B, offset + T, 576]
+        if T == 1 and cache is not None:
+            return self._absorbed(q, entry, attn_mask)
+        return self._expanded(q, entry, attn_mask)
 
     def _expanded(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """Prefill: expand every cached latent into per-head keys and values. Returns [B, H, T, v]."""
@@ -181,15 +195,27 @@ class NoPEMLA(nn.Module):
 
     def _absorbed(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """One query per row against the latent cache. q: [B, H, 1, qk]; entry: [B, L, 576]. Returns [B, H, 1, v]."""
-        H = self.num_heads
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
-        w_k, w_v = w[:, : self.nope], w[:, self.nope :]                            # [H, nope|v, C]
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        # [B, H, 1, C | rope]: the query expressed in the cache's own coordinates.
-        q_lat = torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1)
+        q_lat, w_v = self._latent_query(q)
         scores = upcast(q_lat @ entry[:, None].transpose(-1, -2)) * self.scale    # [B, H, 1, L]
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         p = scores.softmax(-1).to(entry.dtype)
         ctx = p @ entry[:, None, :, : self.kv_lora_rank]                            # [B, H, 1, C]
         return torch.einsum("bhtc,hvc->bhtv", ctx, w_v)
+
+    def _paged(self, q: torch.Tensor, view: PagedLatentView) -> torch.Tensor:
+        """The absorbed step over a paged pool (the new entries already written). q: [B, H, 1, qk]. Returns
+        [B, H, 1, v]."""
+        q_lat, w_v = self._latent_query(q)
+        ctx = paged_mla_decode(q_lat[:, :, 0], view.data, view.block_table, view.seq_lens, self.scale,
+                               self.kv_lora_rank, num_splits=view.num_splits)                 # [B, H, C]
+        return torch.einsum("bhc,hvc->bhv", ctx, w_v)[:, :, None]
+
+    def _latent_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [B, H, T, qk] -> (the absorbed query [B, H, T, C + rope] = [q_nope W_k | q_rope], W_v [H, v, C])."""
+        H = self.num_heads
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope :]                            # [H, nope|v, C]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        # [B, H, T, C | rope]: the query expressed in the cache's own coordinates.
+        return torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1), w_v

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation import GLU, silu_glu
+from ..ops.moe import fused_moe, fused_moe_available
+from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
 from .norm import RMSNorm, upcast
@@ -27,8 +28,10 @@ class Expert(nn.Module):
         self._pack: PackedLinears | None = None
 
     def pack(self) -> None:
-        """Pack w1 and w3 (both read x) into one matrix; see ``PackedLinears``."""
-        self._pack = PackedLinears([self.w1, self.w3])
+        """Pack w1 and w3 (both read x) into one matrix; see ``PackedLinears``. Nothing to do while they are packed
+        already (e.g. into the stack of all experts by ``SparseMoE.pack``, which runs first)."""
+        if self._pack is None or not self._pack.intact():
+            self._pack = PackedLinears([self.w1, self.w3])
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """``glu(w1 x, w3 x)``: [..., D] -> [..., intermediate]."""
@@ -99,12 +102,23 @@ class SparseMoE(nn.Module):
     when ``latent_norm``) and mapped back by ``routed_expert_up_proj``. The norm sits after the weighted sum, as in
     the released K3 (norm of the aggregate, then up-projection). Shared experts stay full width.
 
-    static_dispatch: when True (set by the fixed-shape decode step, ``model/paged.py``), the routed
-    experts run through :meth:`_dense`, which has fixed shapes and never reads routing results on the host.
+    Routed experts, by device and mode (all the same math):
+
+    - CUDA, no gradient needed: :func:`kimi_linear.ops.fused_moe` (Triton grouped GEMMs over the experts' packed
+      weights; fixed shapes, no host sync, so also the CUDA-graph step's path);
+    - static_dispatch (set by the fixed-shape decode step, ``model/paged.py``) otherwise: every
+      expert on every row, :meth:`_dense` (fixed shapes, never reads routing results on the host);
+    - else one token: its k experts one after the other (:meth:`_one_token`); a batch: sorted by expert, one
+      matmul pair per expert with tokens (:meth:`_dispatch`).
+
+    :meth:`pack` (run by the model's ``optimize_layout``) stacks the experts' weights into w13 [E, 2I, W] and w2
+    [E, W, I] and makes every expert's ``w1/w3/w2.weight`` a view into them: the fused and dense paths read the
+    stacks, nothing is duplicated (the 48B model's experts are ~90 GB in bf16), ``state_dict()`` is unchanged.
     """
 
     static_dispatch: bool = False
-    _stacked: tuple | None = None
+    _stacked: tuple | None = None      # a stacked copy, only while the packed views are broken (_stacked_experts)
+    _packed: tuple | None = None       # from pack(): the experts' weight dicts, their data pointers, stack layouts
 
     def __init__(
         self,
@@ -144,7 +158,10 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
         z = flat if self.latent_size is None else self.routed_expert_down_proj(flat)      # [N, D or latent]
-        if self.static_dispatch:
+        fused = self._fused_weights(z)
+        if fused is not None:
+            out = fused_moe(z, fused[0], fused[1], weights, idx, **self._activation())
+        elif self.static_dispatch:
             out = self._dense(z, weights, idx)
         elif flat.shape[0] == 1:
             out = self._one_token(z, weights, idx)
@@ -182,9 +199,73 @@ class SparseMoE(nn.Module):
         dense.scatter_(1, idx, weights.float())                                             # [N, E]
         return torch.einsum("enw,ne->nw", upcast(y), dense).to(z.dtype)
 
+    # ------------------------------------------------------------------------------------------ packed experts
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Stack the experts' weights, w1|w3 into w13 [E, 2I, W] and w2 into [E, W, I], and make every expert's
+        weights views into the stacks (its ``_pack`` the view w13[e]). One transient copy of this layer's experts
+        while it runs; afterwards the experts' memory once. In-place updates of the weights (``load_state_dict``,
+        an optimizer step) write through the views; replacing a weight (``assign=True``, ``.data = ``) breaks
+        them, which :meth:`_packed_experts` notices. Skipped (the experts pack themselves) unless all weights share
+        one dtype and device and are plain tensors (not e.g. FSDP's DTensors).
+
+        Layout: on CUDA both stacks are row-major (each row of w13 and w2 contiguous: the kernels read along W and
+        I). On CPU each expert matrix keeps its longer dimension contiguous, as ``PackedLinears`` and the model's
+        ``optimize_layout`` store them (faster CPU matrix-vector products)."""
+        lins = [lin for ex in self.experts for lin in (ex.w1, ex.w3, ex.w2)]
+        ws = [lin.weight for lin in lins]
+        self._packed, self._stacked = None, None
+        if len({(w.dtype, w.device, type(w.data)) for w in ws}) != 1 or type(ws[0].data) is not torch.Tensor:
+            return
+        E, (I, W) = len(self.experts), ws[0].shape
+        dev, dt = ws[0].device, ws[0].dtype
+        cpu = dev.type == "cpu"
+        w13 = (torch.empty(E, W, 2 * I, dtype=dt, device=dev).transpose(1, 2) if cpu and 2 * I > W
+               else torch.empty(E, 2 * I, W, dtype=dt, device=dev))
+        w2 = (torch.empty(E, I, W, dtype=dt, device=dev).transpose(1, 2) if cpu and W > I
+              else torch.empty(E, W, I, dtype=dt, device=dev))
+        for e, ex in enumerate(self.experts):
+            ex._pack = PackedLinears([ex.w1, ex.w3], into=w13[e])
+            w2[e].copy_(ex.w2.weight)
+            ex.w2.weight.data = w2[e]
+        dicts = [lin._parameters for lin in lins]
+        # The stacks themselves are not kept: only the views hold their memory, so it goes once they are replaced.
+        self._packed = (dicts, [d["weight"].data_ptr() for d in dicts], (w13.shape, w13.stride()),
+                        (w2.shape, w2.stride()))
+
+    def _packed_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stacks of :meth:`pack` (w13 [E, 2I, W], w2 [E, W, I]) while every expert weight is still its view
+        into them, else None. Checks one data pointer per weight (through the kept parameter dicts, which skips
+        ``nn.Module.__getattr__``: this runs every decode step), then views the stacks again from the first
+        expert's w1 and w2, which start them."""
+        if self._packed is None:
+            return None
+        dicts, ptrs, (s13, st13), (s2, st2) = self._packed
+        try:
+            if [d["weight"].data_ptr() for d in dicts] != ptrs:
+                return None
+        except RuntimeError:        # a weight without storage (e.g. FSDP's sharded DTensor)
+            return None
+        return (dicts[0]["weight"].detach().as_strided(s13, st13, 0),
+                dicts[2]["weight"].detach().as_strided(s2, st2, 0))
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ...: each expert weight moves on its own (``nn.Module._apply``), which breaks the
+        packed views; pack again on the new device / dtype, and drop the old stacks."""
+        was_packed = self._packed is not None
+        self._packed, self._stacked = None, None
+        super()._apply(fn, recurse)
+        if was_packed:
+            self.pack()
+        return self
+
     def _stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert weights stacked once for :meth:`_dense`: w1|w3 [E, 2I, W] and w2 [E, W, I]. A copy (the routed
-        experts' memory again), rebuilt when a weight changes (storage or in-place version)."""
+        """Expert weights stacked, w1|w3 [E, 2I, W] and w2 [E, W, I]: the packed stacks of :meth:`pack`, or, when
+        those are broken or were never made (a layer used on its own), a stacked copy (the routed experts' memory
+        again), rebuilt when a weight changes (storage or in-place version)."""
+        packed = self._packed_experts()
+        if packed is not None:
+            return packed
         ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
         if self._stacked is None or self._stacked[0] != key:
@@ -193,6 +274,28 @@ class SparseMoE(nn.Module):
                 w2 = torch.stack([e.w2.weight for e in self.experts])
             self._stacked = (key, w13, w2)
         return self._stacked[1], self._stacked[2]
+
+    def _activation(self) -> dict:
+        """The experts' GLU as :func:`kimi_linear.ops.fused_moe` arguments ({} for SiLU)."""
+        glu = self.experts[0].glu
+        if isinstance(glu, SiTUGLU):
+            return {"activation": "situ", "situ_beta": glu.beta, "situ_linear_beta": glu.linear_beta}
+        return {}
+
+    def _fused_weights(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13, w2) for :func:`kimi_linear.ops.fused_moe` when it runs the Triton kernels (CUDA) on z and nothing
+        needs a gradient (the fused op has no backward), else None. The packed stacks; while they are broken, the
+        CUDA-graph step (``static_dispatch``) takes a stacked copy (it cannot run the host-synchronising paths), the
+        eager step the per-expert paths (no second copy of the experts in memory)."""
+        glu = self.experts[0].glu
+        if not (glu is silu_glu or isinstance(glu, SiTUGLU)) or not fused_moe_available(z):
+            return None
+        if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.experts.parameters())):
+            return None
+        packed = self._packed_experts()
+        if packed is None and self.static_dispatch:
+            packed = self._stacked_experts()
+        return packed
 
     def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Add every token's weighted expert outputs into ``out`` [N, W] (W = expert width: D, or the latent);

@@ -18,14 +18,29 @@ from .linear import linear
 class PackedLinears:
     """Views ``linears`` as one linear map; ``__call__`` returns the concatenated outputs [..., sum(out)]."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], into: torch.Tensor | None = None) -> None:
+        """into: a [sum(out), in] tensor of the weights' dtype and device to pack into (e.g. one expert's slice of
+        a stack of experts, ``layers.moe.SparseMoE.pack``); by default a new matrix, its longer dimension
+        contiguous."""
         ws = [lin.weight for lin in linears]
         if any(lin.bias is not None for lin in linears) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
             raise ValueError("only bias-free linears with one dtype, device and input width can be packed")
+        rows = sum(w.shape[0] for w in ws)
+        if into is not None and (tuple(into.shape) != (rows, ws[0].shape[1]) or into.dtype != ws[0].dtype
+                                 or into.device != ws[0].device):
+            raise ValueError(f"`into` must be a {ws[0].dtype} tensor [{rows}, {ws[0].shape[1]}] on {ws[0].device}, "
+                             f"got {into.dtype} {tuple(into.shape)} on {into.device}")
         with torch.no_grad():
-            packed = torch.cat([w.detach() for w in ws], 0)
-            if packed.shape[0] > packed.shape[1]:
-                packed = packed.t().contiguous().t()  # longer dimension contiguous: faster CPU gemv
+            if into is not None:
+                packed = into
+                offset = 0
+                for w in ws:
+                    packed[offset : offset + w.shape[0]].copy_(w)
+                    offset += w.shape[0]
+            else:
+                packed = torch.cat([w.detach() for w in ws], 0)
+                if packed.shape[0] > packed.shape[1]:
+                    packed = packed.t().contiguous().t()  # longer dimension contiguous: faster CPU gemv
             offset = 0
             for lin in linears:
                 n = lin.weight.shape[0]
@@ -39,11 +54,15 @@ class PackedLinears:
     def _current_ptrs(self) -> tuple[int, ...]:
         return tuple(lin.weight.data_ptr() for lin in self.linears)
 
+    def intact(self) -> bool:
+        """True while every weight is still its view of the packed matrix."""
+        return self._current_ptrs() == self._ptrs and self.linears[0].weight.dtype == self.weight.dtype
+
     def valid(self) -> bool:
         """True while every weight is still a view of the packed matrix and no gradient is needed."""
         if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
             return False  # autograd must see the parameters themselves
-        return self._current_ptrs() == self._ptrs and self.linears[0].weight.dtype == self.weight.dtype
+        return self.intact()
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.valid():

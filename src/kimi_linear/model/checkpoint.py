@@ -121,6 +121,9 @@ def load_pretrained(
         warnings.warn(f"ignoring {len(unexpected)} tensor(s) the model does not use, e.g. {unexpected[:3]}",
                       stacklevel=3)
     model.load_state_dict(loaded, strict=True, assign=True)
+    # Only the model holds the loaded tensors now: optimize_layout packs the MoE experts into stacks one layer at a
+    # time, and each layer's separate tensors must be freed as it goes (else a 48B model would need twice its size).
+    del loaded
     return model.optimize_layout().eval()
 
 

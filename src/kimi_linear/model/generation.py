@@ -63,6 +63,7 @@ def generate(
     pad_token_id: int | None = None,
     streamer: Streamer | None = None,
     return_logits: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> Any:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` [B, T].
 
@@ -70,6 +71,11 @@ def generate(
     get alone. Greedy unless ``do_sample``. Rows that emit ``eos_token_id`` are filled with ``pad_token_id`` after
     it; decoding stops when every row has finished. Returns [B, T + n] token ids, or (ids, [n x [B, vocab]] step
     logits) with ``return_logits``.
+
+    cuda_graphs: decode through the fixed-shape step of :mod:`kimi_linear.model.paged` replayed as a CUDA graph
+    (KDA states and MLA latents in pools, the paged MLA decode kernel, fused MoE), the engine's fast path.
+    ``None``: on for a CUDA model. The pools and graphs are kept on the model for the next call of the same batch
+    size while they are large enough and the weights are the same tensors.
     """
     input_ids = model._check_input_ids(input_ids)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -105,6 +111,9 @@ def generate(
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
     logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+    use_graphs = input_ids.is_cuda if cuda_graphs is None else cuda_graphs
+    decoder = _PagedDecoder(model, cache, attention_mask, B, T + max_new_tokens) if (
+        use_graphs and max_new_tokens > 1) else None
     for step in range(max_new_tokens):
         if return_logits:
             step_logits.append(logits.float().clone())
@@ -121,8 +130,61 @@ def generate(
             if bool(finished.all()):
                 break
         if step + 1 < max_new_tokens:
-            logits = model(nxt[:, None], cache=cache).logits[:, -1]
+            logits = decoder.step(nxt) if decoder is not None else model(nxt[:, None], cache=cache).logits[:, -1]
     if streamer is not None:
         streamer.end()
     ids = torch.cat(out, dim=1)
     return (ids, step_logits) if return_logits else ids
+
+
+class _PagedDecoder:
+    """generate's fast path: the prompt's hybrid cache copied into :class:`~kimi_linear.model.paged.DecodePools`
+    (slot r = row r, its blocks contiguous), then one fixed-shape step per token (a CUDA graph on a GPU)."""
+
+    def __init__(self, model: KimiLinearForCausalLM, cache: Any, attention_mask: torch.Tensor | None, B: int,
+                 max_tokens: int) -> None:
+        from .paged import DecodeGraphs, DecodePools
+
+        self.model = model
+        device = model.device
+        weights = tuple(p.data_ptr() for p in model.parameters())
+        held = getattr(model, "_paged_decoder", None)
+        if (held is None or held[0] != weights or held[1].block_table.shape[0] - 1 != B
+                or held[1].max_tokens < max_tokens):
+            # Round the capacity up so that a following call with a somewhat longer prompt reuses the graph.
+            cap = min(1 << max(12, (max_tokens - 1).bit_length()),
+                      max(max_tokens, model.config.max_position_embeddings))
+            pools = DecodePools.allocate(model, B, cap)
+            graphs = DecodeGraphs(model, pools, B, capture=device.type == "cuda")
+            held = (weights, pools, graphs)
+            model._paged_decoder = held
+        _, self.pools, self.graphs = held
+        pools = self.pools
+        lengths = attention_mask.sum(-1) if attention_mask is not None else None
+        T = cache.seq_len
+        kda = mla = 0
+        for c in cache.layers:
+            if hasattr(c, "recurrent"):
+                pools.conv[kda][:B].copy_(c.conv)
+                pools.rec[kda][:B].copy_(c.recurrent)
+                kda += 1
+            else:
+                per_row = pools.latents[mla][: B * pools.block_table.shape[1]].view(B, pools.max_tokens, -1)
+                if lengths is None:
+                    per_row[:, :T].copy_(c.buf[:, :T])
+                else:
+                    for r, n in enumerate(lengths.tolist()):       # left padding: a row's tokens end at T
+                        per_row[r, :n].copy_(c.buf[r, T - n : T])
+                mla += 1
+        self.slots = torch.arange(B, device=device)
+        self.lens = (lengths.long() if lengths is not None else torch.full((B,), T, device=device)).to(device)
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B] -> next logits [B, vocab] float32 (valid until the next step)."""
+        from .paged import decode_step
+
+        logits = self.graphs.run_device(ids.long(), self.slots, self.lens)
+        if logits is None:          # capturing failed (logged): the same step, eagerly
+            logits = decode_step(self.model, self.pools, ids.long(), self.slots, self.lens)
+        self.lens += 1
+        return logits

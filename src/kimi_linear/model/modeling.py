@@ -238,14 +238,17 @@ class KimiLinearForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> KimiLinearForCausalLM:
         """Random initialisation in the published recipe's spirit (normal(0, initializer_range) for matrices,
-        ones for norms, FLA's A_log / dt_bias ranges). Deterministic given ``seed``."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        ones for norms, FLA's A_log / dt_bias ranges). Deterministic given ``seed`` (and the device: values are
+        drawn where the model lives, so a GPU model of billions of parameters initialises in seconds)."""
+        dev = self.device
+        gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
         std = self.config.initializer_range
+        empty = lambda shape: torch.empty(shape, device=dev)
         for name, p in self.named_parameters():
             if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+                p.copy_(empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
             elif name.endswith("dt_bias"):
-                dt = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+                dt = empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
                 dt = dt.clamp_min(1e-4)
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             elif name.endswith("res_proj.weight"):
@@ -254,11 +257,11 @@ class KimiLinearForCausalLM(nn.Module):
                 p.fill_(1.0)
             elif name.endswith("conv1d.weight"):
                 bound = 1 / math.sqrt(p.shape[-1])
-                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+                p.copy_(empty(p.shape).uniform_(-bound, bound, generator=gen))
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+                p.copy_(empty(p.shape).normal_(0.0, std, generator=gen))
         for name, b in self.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()

@@ -116,7 +116,9 @@ def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Ten
         else:
             caches.append(PagedLatentView(pools.latents[mla_j], table, seq_lens, dst))
             mla_j += 1
-    moes = [mod for mod in model.modules() if isinstance(mod, SparseMoE)]
+    moes = model.__dict__.get("_moe_layers")
+    if moes is None:            # walking every module costs more than a small step's work: once per model
+        moes = model.__dict__["_moe_layers"] = [mod for mod in model.modules() if isinstance(mod, SparseMoE)]
     for moe in moes:
         moe.static_dispatch = True
     try:

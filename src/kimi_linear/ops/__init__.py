@@ -1,9 +1,12 @@
-"""Kimi Delta Attention operators, with fla-core 0.6's names and arguments (``from fla.ops.kda import ...``)."""
+"""Kimi Delta Attention operators, with fla-core 0.6's names and arguments (``from fla.ops.kda import ...``), and the
+paged MLA decode attention (:mod:`.mla_decode`)."""
 
 from .checks import KDAShape, check_kda_inputs
 from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
 from .conv import short_conv
 from .gate import fused_kda_gate, l2norm
+from .mla_decode import paged_mla_decode
+from .moe import fused_moe
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
@@ -15,9 +18,11 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_kda",
     "fused_kda_gate",
+    "fused_moe",
     "fused_recurrent_kda",
     "gated_rms_norm",
     "l2norm",
     "naive_recurrent_kda",
+    "paged_mla_decode",
     "short_conv",
 ]

@@ -1,0 +1,94 @@
+"""Where a decode step's time goes on the GPU: kernel times of the fixed-shape step, grouped, beside the graph replay.
+
+    python bench/profile_decode.py                      # 8-layer Kimi-Linear-48B shape, 32 experts, bf16
+    python bench/profile_decode.py --batches 1,128 --context 4096
+    python bench/profile_decode.py --smoke              # CPU, tiny preset (checks the script)
+
+For each batch: the CUDA-graph replay time of one step (median), the sum of the step's kernel times (the eager
+fixed-shape step under torch.profiler: what the graph replays, minus launch gaps), the number of kernels, and the
+kernels grouped by name (top rows by time) with the bytes-per-step floor beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_gpu import active_bytes, build, cache_bytes_per_step, copy_bandwidth  # noqa: E402
+from kimi_linear.model.paged import DecodeGraphs, DecodePools  # noqa: E402
+
+
+def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: float) -> None:
+    cuda = model.device.type == "cuda"
+    pools = DecodePools.allocate(model, batch, context + 8, block_size=16)
+    graphs = DecodeGraphs(model, pools, batch, capture=cuda)
+    rng = random.Random(0)
+    ids = torch.tensor([rng.randrange(model.config.vocab_size) for _ in range(batch)], device=model.device)
+    slots = torch.arange(batch, device=model.device)
+    lens = torch.full((batch,), context, device=model.device)
+    graphs.run_device(ids, slots, lens)                      # capture (or warm up)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        graphs.run_device(ids, slots, lens)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    replay = 1e3 * statistics.median(times)
+    inputs = torch.cat([ids, slots, lens])
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.inference_mode():
+        graphs.forward(inputs, batch)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                graphs.forward(inputs, batch)
+            if cuda:
+                torch.cuda.synchronize()
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    n_kernels = 0
+    for ev in prof.events():
+        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
+            g = groups[ev.name[:90]]
+            g[0] += ev.device_time / 3 / 1e3
+            g[1] += 1 / 3
+            n_kernels += 1
+    total = sum(g[0] for g in groups.values())
+    floor = 1e3 * (active_bytes(model, batch) + cache_bytes_per_step(model, batch, context)) / bw if cuda else 0
+    print(f"\n### batch {batch}, context {context}: graph replay {replay:.3f} ms, kernel time {total:.3f} ms in "
+          f"{n_kernels / 3:.0f} kernels, floor {floor:.3f} ms\n")
+    print("| kernel | ms / step | calls / step | share |")
+    print("|---|---:|---:|---:|")
+    for name, (ms, calls) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| `{name}` | {ms:.4f} | {calls:.0f} | {100 * ms / max(total, 1e-9):.1f}% |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="48b-8l-32e")
+    ap.add_argument("--batches", default="1,128")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    model = build(args.model, torch.bfloat16 if device == "cuda" else torch.float32, device, args.smoke)
+    bw = copy_bandwidth(device)
+    print(f"## decode step profile: {args.model}, {device}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    for b in [int(x) for x in args.batches.split(",")]:
+        profile_batch(model, b, 64 if args.smoke else args.context, 3 if args.smoke else args.reps, args.top, bw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

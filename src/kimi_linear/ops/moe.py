@@ -1,0 +1,124 @@
+"""Routed experts of a mixture-of-experts FFN as one operator (SPEC section 4, FFN; K3's SiTU from section 6).
+
+Each token n chose k experts ``topk_ids[n]`` with routing weights ``topk_weights[n]``; expert e is the GLU feed-forward
+
+    expert_e(x) = w2[e] @ glu(w1[e] @ x, w3[e] @ x)          w13[e] = [w1[e]; w3[e]]  [2I, W],  w2[e]  [W, I]
+
+and the output is ``out[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n])``.
+
+``glu`` is SiLU-GLU ``silu(gate) * up`` (Kimi Linear) or SiTU (Kimi K3, ``layers.activation.SiTUGLU``):
+``beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta)``.
+
+On CUDA tensors :func:`fused_moe` runs the Triton kernels of :mod:`kimi_linear.ops.triton.moe` (grouped GEMMs over
+the tokens sorted by expert, capturable in a CUDA graph); this module is the PyTorch path (sort, then one pair of
+matmuls per expert; it reads the routing on the host) and the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import triton_op
+
+ACTIVATIONS = ("silu", "situ")
+
+
+def check_fused_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, activation: str, situ_beta: float,
+                           situ_linear_beta: float) -> None:
+    """Shapes, dtypes and devices of :func:`fused_moe`'s arguments; a ValueError names the one that is off. The
+    values of ``topk_ids`` are not checked (that would read them on the host)."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"fused_moe: x must be a floating tensor [N, W], got {x.dtype} {tuple(x.shape)}")
+    N, W = x.shape
+    if w13.dim() != 3 or w13.shape[2] != W or w13.shape[1] % 2 or w13.shape[1] == 0:
+        raise ValueError(f"fused_moe: w13 must be [E, 2I, W={W}] (gate rows, then up rows), got {tuple(w13.shape)}")
+    E, I = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (E, W, I):
+        raise ValueError(f"fused_moe: w2 must be [E={E}, W={W}, I={I}], got {tuple(w2.shape)}")
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"fused_moe: {name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != N or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be an int32/int64 tensor [N={N}, k], got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"fused_moe: topk_ids must choose 1 <= k <= E={E} experts per token, got k={k}")
+    if tuple(topk_weights.shape) != (N, k) or not topk_weights.is_floating_point():
+        raise ValueError(f"fused_moe: topk_weights must be a floating tensor [N={N}, k={k}], got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"fused_moe: {name} is on {t.device}, x on {x.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, b in (("situ_beta", situ_beta), ("situ_linear_beta", situ_linear_beta)):
+        if not b > 0:
+            raise ValueError(f"fused_moe: {name} must be > 0, got {b}")
+
+
+def glu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float = 4.0,
+              situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The GLU of the layers, in their arithmetic: ``silu(gate) * up`` in the input dtype, or SiTU in float32
+    (float64 for float64 inputs) cast back (as ``layers.activation.SiTUGLU``)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    g = gate if gate.dtype in (torch.float32, torch.float64) else gate.float()
+    u = up if up.dtype in (torch.float32, torch.float64) else up.float()
+    g = situ_beta * torch.tanh(g / situ_beta) * torch.sigmoid(g)
+    u = situ_linear_beta * torch.tanh(u / situ_linear_beta)
+    return (g * u).to(gate.dtype)
+
+
+def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
+                    situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """:func:`fused_moe` in PyTorch: the (token, expert) pairs sorted by expert, then per expert with tokens its
+    two matmuls in x's dtype (the layers' arithmetic); the weighted outputs are summed in float32 (float64 for
+    float64 inputs). Reads the per-expert counts on the host."""
+    N, W = x.shape
+    E, k = w13.shape[0], topk_ids.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(N, W, dtype=acc, device=x.device)
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()
+    token_of = order // k
+    w_sorted = topk_weights.reshape(-1)[order].to(acc)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start : start + n]
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)                                 # [n, I] each
+        y = F.linear(glu_torch(gate, up, activation, situ_beta, situ_linear_beta), w2[e])    # [n, W]
+        out.index_add_(0, tok, y.to(acc) * w_sorted[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
+              situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The routed experts' weighted sum (module docstring). Inference only (no autograd).
+
+    x: [N, W]; w13: [E, 2I, W], rows 0..I-1 the gate projection w1, rows I..2I-1 the up projection w3; w2: [E, W, I]
+    (all one dtype: float32, bfloat16, float16, or float64 on the PyTorch path); topk_weights: [N, k] (used in
+    float32); topk_ids: [N, k] int32/int64, each in [0, E) (the Triton path ignores a pair whose id is outside,
+    the PyTorch path raises). activation: ``"silu"`` or ``"situ"`` with ``situ_beta`` (b), ``situ_linear_beta``
+    (b_lin). Products accumulate in float32; the hidden ``glu(...)`` is rounded to x's dtype before the down
+    projection, as in the layers. Returns [N, W] in x's dtype.
+    """
+    check_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta)
+    fast = triton_op("fused_moe", x) if x.dtype != torch.float64 else None
+    if fast is None:
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta)
+    return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta)
+
+
+def fused_moe_available(x: torch.Tensor) -> bool:
+    """Whether :func:`fused_moe` on ``x`` runs the Triton kernels (capture-safe, no host sync) rather than the
+    PyTorch path."""
+    return x.dtype != torch.float64 and triton_op("fused_moe", x) is not None

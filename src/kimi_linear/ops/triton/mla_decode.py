@@ -1,0 +1,247 @@
+"""Paged MLA decode attention (:mod:`kimi_linear.ops.mla_decode`) as flash decoding in Triton (issue 18).
+
+A decode step reads every cached entry of every row once: at 1M tokens that is 1.2 GB of 576-wide bf16 entries per
+layer, so the step is a stream over the pool and the kernel's job is to keep HBM busy. Two launches:
+
+1. split: one program per (head block, context split, row). It walks its split's keys BN at a time, looking each
+   key's block up in the row's block table (any block size: keys of one tile may sit in several blocks), loads the
+   [BN, C + R] key tile once for the BH heads of its head block, and keeps an online softmax:
+
+       s = scale * q K^T             [BH, BN]   (latent and rope parts as two tl.dot's: 512 + 64 is no power of 2)
+       m' = max(m, max_j s);  l = l e^(m - m') + sum_j e^(s - m');  acc = acc e^(m - m') + e^(s - m') K[:, :C]
+
+   then writes acc / l ([BH, C] float32) and lse = m + log l of its split. Splits are cut from the row's own length
+   (read on the device), so every split of a row gets the same share; the ones past a short row's keys do nothing.
+2. merge: one program per (channel block, head, row) combines the row's used splits:
+   ``ctx = sum_s e^(lse_s - M) o_s / sum_s e^(lse_s - M)`` with M the largest lse_s.
+   With one split the first kernel writes the output itself and the merge is skipped.
+
+The grid and the split count depend on static shapes only (batch, heads, table width, block size), never on
+``seq_lens``' values, so a step can be captured in a CUDA graph and replayed with new lengths. Softmax runs in base 2
+(scale folded with log2 e); lse is returned in natural log. Addresses of pool rows are int64 (a 1M-token pool of
+576-wide bf16 entries is 1.2 GB, and a pool holds many sequences).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_common import cast, mm
+
+LOG2E = 1.4426950408889634
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+# Tiles (BH heads x BN keys), warps and pipeline stages per pool dtype; not yet GPU-tuned (bench/mla_decode_gpu.py
+# --sweep times alternatives). BH = 16 is the smallest M of a tensor-core product. Offline sm_90 build (local
+# Triton's ptxas), C = 512, R = 64: 16-bit [16, 32] at 4 warps takes 193-222 registers, no spills, 55 KB of shared
+# memory (two programs per SM); float32 (exact products) spills 1.1 KB at 4 warps and none at 8 (163-176).
+LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
+MERGE_BV = 128          # channels per merge program
+MERGE_BS = 16           # splits merged per step of the merge loop
+
+# Split heuristic (default_num_splits): about PROGRAMS_PER_SM split programs per SM in flight (two fit by registers
+# and shared memory), a full-length row cut into pieces of at most MAX_SPLIT_KEYS keys (lengths are unknown on the
+# host: a batch may hold one long row among short ones, whose single program would finish last), no piece shorter
+# than MIN_SPLIT_KEYS keys, at most MAX_SPLITS. That cutting stops at LONG_ROW_PROGRAMS_PER_SM programs per SM in
+# all: a large batch fills the card without it, and its float32 partials grow as batch * heads * splits (256 rows
+# of a 1M-token table cut into 128 splits would take 2 GB and a merge pass over them every step).
+PROGRAMS_PER_SM = 2
+LONG_ROW_PROGRAMS_PER_SM = 16
+MIN_SPLIT_KEYS = 256
+MAX_SPLIT_KEYS = 8192
+MAX_SPLITS = 512
+
+
+@triton.jit
+def split_range(seq_lens, i_b, NS, MB, BS: tl.constexpr, BN: tl.constexpr):
+    """Row i_b's length L (cut at the table's MB * BS keys), its number of BN-key tiles NT and tiles per split TPS
+    (>= 1): split s covers tiles [s TPS, min((s + 1) TPS, NT)), so splits 0 .. cdiv(NT, TPS) - 1 hold keys."""
+    L = tl.minimum(tl.load(seq_lens + i_b).to(tl.int32), MB * BS)
+    L = tl.maximum(L, 0)
+    NT = tl.cdiv(L, BN)
+    TPS = tl.maximum(tl.cdiv(NT, NS), 1)
+    return L, NT, TPS
+
+
+@triton.jit
+def finish(b_m, b_l):
+    """An online softmax's ``(1 / l, m + log2 l)``; ``(0, -inf)`` where no key was seen (l = 0), computed without
+    dividing by 0 or taking log2(0)."""
+    b_seen = b_l > 0
+    b_ls = tl.where(b_seen, b_l, 1.0)
+    return tl.where(b_seen, 1.0 / b_ls, 0.0), tl.where(b_seen, b_m + tl.log2(b_ls), float("-inf"))
+
+
+@triton.jit
+def mla_decode_split_kernel(
+    q, cache, block_table, seq_lens,  # [B, H, W], [num_blocks, BS, W], [B, >= MB] (row stride stride_t), [B]
+    o_part, lse_part,                 # out: [B, H, NS, C] float32, [B, H, NS] float32 (base 2); unused if SINGLE
+    o, lse,                           # out if SINGLE: [B, H, C] in q's dtype, [B, H] float32 (natural log)
+    qk_scale, stride_t, H, NS, MB,
+    C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+    PREC: tl.constexpr, SINGLE: tl.constexpr,
+):
+    # head blocks fastest: the programs that read the same key tiles start side by side and share them in L2
+    i_hb, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    W: tl.constexpr = C + R          # constexpr: row offsets are multiples of W, so loads of a row vectorise
+    L, NT, TPS = split_range(seq_lens, i_b, NS, MB, BS, BN)
+    t0 = i_s * TPS
+    t1 = tl.minimum(t0 + TPS, NT)
+
+    o_h = i_hb * BH + tl.arange(0, BH)
+    o_c = tl.arange(0, BC)
+    o_r = tl.arange(0, BR)
+    m_h, m_c, m_r = o_h < H, o_c < C, o_r < R
+    dt = cache.dtype.element_ty
+    p_q = q + (i_b * H + o_h)[:, None] * W
+    b_q = cast(tl.load(p_q + o_c[None, :], mask=m_h[:, None] & m_c[None, :], other=0.0), dt)         # [BH, BC]
+    b_qr = cast(tl.load(p_q + C + o_r[None, :], mask=m_h[:, None] & m_r[None, :], other=0.0), dt)    # [BH, BR]
+
+    b_m = tl.full([BH], float("-inf"), dtype=tl.float32)                                             # [BH]
+    b_l = tl.zeros([BH], dtype=tl.float32)                                                           # [BH]
+    b_acc = tl.zeros([BH, BC], dtype=tl.float32)                                                     # [BH, BC]
+    p_t = block_table + i_b * stride_t
+    for i_t in range(t0, t1):
+        o_n = i_t * BN + tl.arange(0, BN)                                                            # [BN] keys
+        m_n = o_n < L
+        # keys past L are not loaded at all: their blocks (or table entries) may hold anything, NaN included
+        b_blk = tl.load(p_t + o_n // BS, mask=m_n, other=0).to(tl.int64)                            # [BN]
+        o_row = (b_blk * BS + o_n % BS) * W                                                          # [BN] int64
+        b_k = tl.load(cache + o_row[:, None] + o_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)
+        b_kr = tl.load(cache + o_row[:, None] + C + o_r[None, :], mask=m_n[:, None] & m_r[None, :], other=0.0)
+        b_s = mm(b_q, tl.trans(b_k), PREC) + mm(b_qr, tl.trans(b_kr), PREC)                         # [BH, BN]
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        # the first tile of a split always holds a key (t0 < NT), so b_m_new is finite from the first step on
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))                                                    # [BH]
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])                                                        # [BH, BN]
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + mm(cast(b_p, dt), b_k, PREC)                             # [BH, BC]
+        b_m = b_m_new
+
+    # an empty split (past the row's keys) writes nothing; the merge skips it. (tl.where rather than `m_h & (t0 <
+    # t1)`: the interpreter turns a vector & scalar of booleans into integers, which it refuses as a mask.)
+    m_w = tl.where(t0 < t1, m_h, False)                                                              # [BH]
+    b_inv, b_lse = finish(b_m, b_l)                                                                  # [BH], [BH]
+    b_o = b_acc * b_inv[:, None]                                                                     # [BH, BC]
+    if SINGLE:
+        # one split: this is the answer (a row without keys: ctx 0, lse -inf)
+        tl.store(o + (i_b * H + o_h)[:, None] * C + o_c[None, :], cast(b_o, o.dtype.element_ty),
+                 mask=m_h[:, None] & m_c[None, :])
+        tl.store(lse + i_b * H + o_h, b_lse * LN2, mask=m_h)
+    else:
+        o_p = (i_b * H + o_h) * NS + i_s                                                             # [BH] int64
+        tl.store(o_part + o_p[:, None] * C + o_c[None, :], b_o, mask=m_w[:, None] & m_c[None, :])
+        tl.store(lse_part + o_p, b_lse, mask=m_w)
+
+
+@triton.jit
+def mla_decode_merge_kernel(
+    o_part, lse_part, seq_lens,       # [B, H, NS, C] float32, [B, H, NS] float32 (base 2), [B]
+    o, lse,                           # out: [B, H, C] in q's dtype, [B, H] float32 (natural log)
+    H, NS, MB,
+    C: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, BSP: tl.constexpr,
+):
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    L, NT, TPS = split_range(seq_lens, i_b, NS, MB, BS, BN)
+    n_used = tl.cdiv(NT, TPS)         # the splits the split kernel wrote; the others hold whatever memory held
+    i_bh = i_b * H + i_h
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < C
+
+    b_mx = tl.full([BSP], float("-inf"), dtype=tl.float32)                                           # [BSP]
+    for i0 in range(0, n_used, BSP):
+        o_sp = i0 + tl.arange(0, BSP)
+        b_mx = tl.maximum(b_mx, tl.load(lse_part + i_bh * NS + o_sp, mask=o_sp < n_used, other=float("-inf")))
+    b_M = tl.max(b_mx, 0)
+    b_acc = tl.zeros([BV], dtype=tl.float32)                                                         # [BV]
+    b_l = tl.zeros([BSP], dtype=tl.float32)                                                          # [BSP]
+    for i0 in range(0, n_used, BSP):
+        o_sp = i0 + tl.arange(0, BSP)
+        m_sp = o_sp < n_used
+        b_lse = tl.load(lse_part + i_bh * NS + o_sp, mask=m_sp, other=float("-inf"))                # [BSP]
+        b_w = tl.where(m_sp, tl.exp2(b_lse - b_M), 0.0)
+        b_op = tl.load(o_part + (i_bh * NS + o_sp)[:, None] * C + o_v[None, :],
+                       mask=m_sp[:, None] & m_v[None, :], other=0.0)                                 # [BSP, BV]
+        b_acc += tl.sum(b_w[:, None] * b_op, 0)
+        b_l += b_w
+    b_inv, b_lse = finish(b_M, tl.sum(b_l, 0))
+    b_o = b_acc * b_inv                                                                              # [BV]
+    tl.store(o + i_bh * C + o_v, cast(b_o, o.dtype.element_ty), mask=m_v)
+    tl.store(lse + i_bh, b_lse * LN2, mask=i_v == 0)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); 4 elsewhere (the interpreter runs programs one
+    by one, so few splits keep CPU runs short)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int, sms: int,
+                       block_h: int = 16) -> int:
+    """Splits per row from static shapes only (a CUDA graph fixes the grid; the lengths live on the device).
+
+    Enough split programs for about PROGRAMS_PER_SM per SM (batch * head blocks * splits), and enough splits that a
+    row as long as the table allows is cut into pieces of at most MAX_SPLIT_KEYS keys (so one long row among short
+    ones does not finish long after them) while that keeps the launch under LONG_ROW_PROGRAMS_PER_SM programs per
+    SM; but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and at most MAX_SPLITS. A row's keys
+    are divided among the splits by its own length on the device, and splits past a short row's keys do nothing.
+    On 132 SMs with 32 heads (2 head blocks): one row at 1M tokens, 132 splits of ~8k keys (264 programs); 128 or
+    256 rows at 4k, one split (no merge pass); 32 rows at 4k, 4 splits of 1k keys; 32 rows at 256k, 32 splits of
+    8k keys; 256 rows of a 1M-token table (a serving engine's), 4 splits.
+    """
+    programs = max(1, batch * triton.cdiv(heads, block_h))
+    max_len = max_blocks * block_size
+    long_row = min(triton.cdiv(max_len, MAX_SPLIT_KEYS), max(1, (LONG_ROW_PROGRAMS_PER_SM * sms) // programs))
+    want = max((PROGRAMS_PER_SM * sms) // programs, long_row, 1)
+    most = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
+    return min(want, most, MAX_SPLITS)
+
+
+def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
+                     block_n: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kimi_linear.ops.mla_decode.paged_mla_decode` on the GPU (arguments checked there): ``(ctx [B, H, C]
+    in q's dtype, lse [B, H] float32)``. q is cast to the pool's dtype for the products (float32 accumulation).
+    block_h / block_n (powers of two >= 16) / num_warps / num_stages override :data:`LAUNCH`'s defaults."""
+    B, H, W = q.shape
+    C, R = kv_lora_rank, W - kv_lora_rank
+    BS = cache.shape[1]
+    MB = block_table.shape[1]
+    BH, BN, warps, stages = LAUNCH[cache.element_size()]
+    BH, BN = block_h or BH, block_n or BN
+    q, seq_lens = q.contiguous(), seq_lens.contiguous()
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    NS = num_splits or default_num_splits(B, H, MB, BS, num_sms(q.device), BH)
+    o = torch.empty(B, H, C, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    if B == 0 or H == 0:
+        return o, lse
+    BC, BR = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
+    prec = "ieee" if cache.dtype == torch.float32 else "tf32"     # 16-bit pools: tensor-core products either way
+    single = NS == 1
+    if single:
+        o_part, lse_part = o, lse                                   # not written
+    else:
+        o_part = torch.empty(B, H, NS, C, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, H, NS, dtype=torch.float32, device=q.device)
+    mla_decode_split_kernel[(triton.cdiv(H, BH), NS, B)](
+        q, cache, block_table, seq_lens, o_part, lse_part, o, lse,
+        scale * LOG2E, block_table.stride(0), H, NS, MB,
+        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
+    )
+    if not single:
+        BV = min(MERGE_BV, BC)
+        mla_decode_merge_kernel[(triton.cdiv(C, BV), H, B)](
+            o_part, lse_part, seq_lens, o, lse, H, NS, MB,
+            C=C, BS=BS, BN=BN, BV=BV, BSP=MERGE_BS, num_warps=4,
+        )
+    return o, lse

@@ -1,0 +1,132 @@
+"""The engine's three parts on their own: the scheduler's plan under a token budget, the cache manager's block
+tables, the model runner's batched prompt chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kimi_linear.engine import EngineConfig, SamplingParams
+from kimi_linear.engine.cache_manager import CacheManager
+from kimi_linear.engine.model_runner import ModelRunner
+from kimi_linear.engine.scheduler import Scheduler
+from kimi_linear.engine.sequence import Sequence, Status
+from kimi_linear.model import KimiLinearForCausalLM, preset_config
+
+EOS = 256
+
+
+@pytest.fixture(scope="module")
+def model() -> KimiLinearForCausalLM:
+    torch.manual_seed(0)
+    return KimiLinearForCausalLM(preset_config("tiny", eos_token_id=EOS)).init_weights(0).eval()
+
+
+def seq(rid: str, n: int, seed: int = 0) -> Sequence:
+    rng = random.Random(seed)
+    return Sequence(rid, [rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=4, temperature=0), None,
+                    None, [EOS])
+
+
+def parts(model, paged: bool = False, **cfg) -> tuple[CacheManager, Scheduler]:
+    c = EngineConfig(**cfg).resolved("cpu")
+    cache = CacheManager(model, c, paged=paged)
+    return cache, Scheduler(c, cache, c.max_num_batched_tokens)
+
+
+def test_plan_respects_the_token_budget_and_always_runs_one_chunk(model):
+    cache, sched = parts(model, max_num_seqs=4, prefill_chunk=32, max_num_batched_tokens=40)
+    for i, n in enumerate((100, 20, 10)):
+        sched.waiting.append(seq(str(i), n, i))
+    plan = sched.plan()
+    # 32 of the first prompt, then the 20-token prompt would exceed 40: only one chunk.
+    assert [(s.request_id, T) for s, T in plan.prefill] == [("0", 32)] and not plan.decode
+    assert [s.request_id for s in sched.running] == ["0", "1", "2"]
+    for s, T in plan.prefill:
+        s.num_computed += T
+    plan = sched.plan()
+    assert [(s.request_id, T) for s, T in plan.prefill] == [("0", 32)]
+    # A budget smaller than one chunk still runs one chunk (prompts progress).
+    cache2, small = parts(model, max_num_seqs=2, prefill_chunk=32, max_num_batched_tokens=8)
+    small.waiting.append(seq("x", 50))
+    assert [T for _, T in small.plan().prefill] == [32]
+
+
+def test_plan_puts_decode_rows_first_and_fills_the_rest(model):
+    cache, sched = parts(model, max_num_seqs=4, prefill_chunk=16, max_num_batched_tokens=64)
+    a, b = seq("a", 5, 1), seq("b", 40, 2)
+    sched.waiting.extend([a, b])
+    sched.admit()
+    a.num_computed = 4                                  # one token left: a decode row
+    plan = sched.plan()
+    assert plan.decode == [a]
+    assert [(s.request_id, T) for s, T in plan.prefill] == [("b", 16)]
+    assert len(a.block_table) * 16 >= 5 and len(b.block_table) * 16 >= 16
+
+
+def test_preemption_frees_the_newest_and_it_waits_first(model):
+    cache, sched = parts(model, max_num_seqs=3, num_blocks=4, block_size=16, prefill_chunk=16, prefix_caching=False)
+    s1, s2 = seq("1", 20, 1), seq("2", 20, 2)
+    sched.waiting.extend([s1, s2])
+    sched.admit()
+    assert sched.running == [s1, s2]
+    assert sched.reserve(s1, 20) and sched.reserve(s2, 20) and cache.blocks.num_free() == 0
+    assert sched.reserve(s1, 40)                          # needs a third block: s2 (newest) is preempted
+    assert s2.status == Status.WAITING and sched.waiting[0] is s2 and s2.slot is None and sched.preemptions == 1
+    assert sched.hold_admission
+
+
+def test_block_tables_reach_the_device_table_once(model):
+    cache, sched = parts(model, paged=True, max_num_seqs=2, num_blocks=20, block_size=16, prefill_chunk=16)
+    s = seq("a", 40)
+    sched.waiting.append(s)
+    sched.admit()
+    table = cache.pools.block_table
+    scratch = cache.blocks.scratch
+    assert sched.reserve(s, 40)
+    assert (table == scratch).all()                       # nothing pushed yet
+    cache.sync_tables([s])
+    assert table[s.slot, : len(s.block_table)].tolist() == s.block_table and s.table_synced == len(s.block_table)
+    assert cache.grow(s, 80)
+    table[s.slot, 0] = -7                                 # an entry already synced is not pushed again
+    cache.sync_tables([s])
+    assert table[s.slot, 1 : len(s.block_table)].tolist() == s.block_table[1:] and int(table[s.slot, 0]) == -7
+    cache.release(s)
+    assert s.table_synced == 0 and s.slot is None
+
+
+def test_runner_batches_equal_chunks_exactly(model):
+    """Three prompt chunks of 16 tokens in one [3, 16] forward (rows with different histories) give the logits of
+    running each alone."""
+    logits = {}
+    for batched in (True, False):
+        cache, sched = parts(model, max_num_seqs=3, prefill_chunk=16)
+        runner = ModelRunner(model, cache, graphs=False, capture=False)
+        seqs = [seq(str(i), n, i) for i, n in enumerate((20, 48, 33))]
+        sched.waiting.extend(seqs)
+        sched.admit()
+        for s, done in zip(seqs, (4, 16, 0)):             # histories of 4, 16 and 0 tokens
+            if done:
+                sched.reserve(s, done)
+                runner.forward([s], done)
+                s.num_computed += done
+        chunks = [(s, 16) for s in seqs]
+        for s, T in chunks:
+            sched.reserve(s, s.num_computed + T)
+        if batched:
+            out = runner.prefill(chunks)
+        else:
+            out = [(s, runner.forward([s], T)[0]) for s, T in chunks]
+        logits[batched] = torch.stack([lg for _, lg in out])
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+def test_resolved_defaults():
+    cpu, gpu = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
+    assert (cpu.prefill_chunk, cpu.max_num_batched_tokens, cpu.cuda_graphs) == (64, 64, False)
+    assert (gpu.prefill_chunk, gpu.max_num_batched_tokens, gpu.cuda_graphs) == (2048, 8192, True)
+    assert EngineConfig(block_size=48).resolved("cuda").prefill_chunk == 2016
+    with pytest.raises(ValueError, match="`max_num_batched_tokens`"):
+        EngineConfig(max_num_batched_tokens=True).validate()  # type: ignore[arg-type]

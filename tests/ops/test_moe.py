@@ -1,0 +1,207 @@
+"""Fused mixture of experts (ops.moe): the PyTorch path against a per-token float64 loop over the formula, and the
+Triton kernels (under the interpreter) against the PyTorch path in float64 on fresh random inputs.
+
+Routings: random (duplicate-free top-k, as a router gives), one expert no token chooses, every token on the same
+k experts (one segment over many blocks), k = 1 and k = E; N = 1 (decode), 3, 37 (segments longer than a block);
+SiLU and SiTU (pre-activations from -10 to 10: both tanh branches); launch shapes whose tiles do not divide W or I.
+Outputs and intermediates are poisoned with NaN before each run: an element the kernels forget to write, or a
+padding row they read, fails the comparison.
+
+Bars (relative, norm-wise, against float64): float32 1e-6; bfloat16 2^-8 = 3.9e-3 and float16 2^-11 = 4.9e-4 (the
+dtype's unit roundoff: the hidden is rounded to the dtype once and the output once, each at most half of that;
+measured 2.2-2.5e-3 and 2.9e-4; the PyTorch path in bf16 is at 4.2e-3, rounding gate, up and the GLU too).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kimi_linear.ops import fused_moe
+from kimi_linear.ops.moe import fused_moe_torch
+
+from .kda_cases import rel_err
+from .triton_cases import poison_empty  # noqa: F401  (autouse fixture)
+
+pytest.importorskip("triton")
+
+BARS = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def naive_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", b=4.0, b_lin=25.0):
+    """Token by token in float64: sum_j w_j w2[e_j] glu(w1[e_j] x, w3[e_j] x)."""
+    x, w13, w2, topk_weights = x.double(), w13.double(), w2.double(), topk_weights.double()
+    I = w2.shape[2]
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j, e in enumerate(topk_ids[n].tolist()):
+            g, u = w13[e, :I] @ x[n], w13[e, I:] @ x[n]
+            if activation == "silu":
+                a = F.silu(g) * u
+            else:
+                a = b * torch.tanh(g / b) * torch.sigmoid(g) * b_lin * torch.tanh(u / b_lin)
+            out[n] += topk_weights[n, j] * (w2[e] @ a)
+    return out
+
+
+def routing(N, E, k, mode, gen):
+    """topk_ids [N, k] int64, duplicate-free per token. mode: "random"; "idle" (expert E - 1 never chosen);
+    "one" (every token chooses experts 0..k-1, in shuffled order)."""
+    pool = k if mode == "one" else E - 1 if mode == "idle" else E
+    rows = [torch.randperm(pool, generator=gen)[:k] for _ in range(N)]
+    return torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
+
+
+def make(N, E, k, W, I, dtype=torch.float32, mode="random", seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(N, W, generator=gen) * scale).to(dtype)
+    w13 = (torch.randn(E, 2 * I, W, generator=gen) / W**0.5).to(dtype)
+    w2 = (torch.randn(E, W, I, generator=gen) / I**0.5).to(dtype)
+    topk_weights = torch.rand(N, k, generator=gen) + 0.1
+    return x, w13, w2, topk_weights, routing(N, E, k, mode, gen)
+
+
+def reference(x, w13, w2, topk_weights, topk_ids, activation="silu", b=4.0, b_lin=25.0):
+    return fused_moe_torch(x.double(), w13.double(), w2.double(), topk_weights.double(), topk_ids, activation, b,
+                           b_lin)
+
+
+def triton_moe(*args, **kw):
+    from kimi_linear.ops.triton.moe import fused_moe as tri
+
+    return tri(*args, **kw)
+
+
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("mode", ["random", "idle", "one"])
+def test_torch_path_matches_token_loop(mode, activation):
+    x, w13, w2, tw, ids = make(9, 5, 2, 12, 10, torch.float64, mode, seed=1, scale=3.0)
+    got = fused_moe(x, w13, w2, tw, ids, activation, 2.0, 3.0)
+    assert got.dtype == torch.float64
+    assert rel_err(got, naive_moe(x, w13, w2, tw, ids, activation, 2.0, 3.0)) < 1e-12
+
+
+CASES = [  # (N, E, k, W, I, routing)
+    (1, 4, 2, 32, 32, "random"),
+    (1, 8, 3, 64, 48, "idle"),
+    (3, 4, 1, 32, 64, "random"),
+    (3, 8, 2, 64, 32, "one"),
+    (37, 8, 3, 64, 48, "random"),
+    (37, 4, 2, 32, 32, "idle"),
+    (37, 4, 1, 48, 40, "one"),           # 37 pairs of one expert: a segment of three 16-slot blocks
+    (5, 4, 4, 32, 32, "random"),         # k = E: every expert gets every token
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, E, k, W, I, mode", CASES)
+def test_triton_matches_reference(N, E, k, W, I, mode, dtype):
+    x, w13, w2, tw, ids = make(N, E, k, W, I, dtype, mode, seed=N * 100 + E * 10 + k)
+    got = triton_moe(x, w13, w2, tw, ids)
+    assert got.dtype == dtype and got.shape == (N, W)
+    assert rel_err(got, reference(x, w13, w2, tw, ids)) < BARS[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_situ(dtype):
+    """Pre-activations of scale ~4 (up to ~15): tanh(g / 4) and tanh(u / 2) on both sides of the Taylor branch."""
+    x, w13, w2, tw, ids = make(11, 6, 2, 32, 32, dtype, seed=5, scale=4.0)
+    got = triton_moe(x, w13, w2, tw, ids, "situ", 4.0, 2.0)
+    assert rel_err(got, reference(x, w13, w2, tw, ids, "situ", 4.0, 2.0)) < BARS[dtype]
+
+
+@pytest.mark.parametrize("launch", [
+    dict(BM=32, BN1=32, BK1=32, BN2=32, BK2=32),     # BK1 does not divide W = 48, BN1 not I = 40: masked tiles
+    dict(BM=16, BN1=16, BK1=16, BN2=64, BK2=16),     # BN2 wider than W
+    dict(BM=64, BN1=64, BK1=64, BN2=16, BK2=64),     # one block for every expert, BK2 wider than I
+])
+def test_triton_launch_shapes(launch):
+    from kimi_linear.ops.triton.moe import MoELaunch
+
+    x, w13, w2, tw, ids = make(20, 5, 3, 48, 40, torch.float32, seed=6)
+    got = triton_moe(x, w13, w2, tw, ids, launch=MoELaunch(**launch, stages1=2, stages2=2))
+    assert rel_err(got, reference(x, w13, w2, tw, ids)) < BARS[torch.float32]
+
+
+def test_triton_strided_weights_and_int32_ids():
+    """Weights stored transposed (the CPU layout of packed experts: longer dimension contiguous), int32 ids,
+    float64 routing weights, rows of x apart in memory."""
+    x, w13, w2, tw, ids = make(7, 4, 2, 32, 48, torch.float32, seed=7)
+    w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    x_nc = torch.cat([x, x], 1)[:, :32]
+    assert torch.equal(x_nc, x) and x_nc.stride() == (64, 1)
+    got = triton_moe(x_nc, w13_t, w2_t, tw.double(), ids.int())
+    assert rel_err(got, reference(x, w13, w2, tw, ids)) < BARS[torch.float32]
+
+
+def test_triton_strided_single_choice():
+    """k = 1 ids and weights taken as columns of wider tensors (1-D views with a stride)."""
+    x, w13, w2, tw, ids = make(9, 4, 1, 32, 32, torch.float32, seed=10)
+    ids_col = torch.cat([ids, ids.flip(0)], 1)[:, :1]
+    tw_col = torch.cat([tw, tw], 1)[:, :1]
+    assert ids_col.stride() == (2, 1) and torch.equal(ids_col, ids)
+    got = triton_moe(x, w13, w2, tw_col, ids_col)
+    assert rel_err(got, reference(x, w13, w2, tw, ids)) < BARS[torch.float32]
+
+
+def test_triton_ignores_out_of_range_ids():
+    """A pair whose id is outside [0, E) is never computed and adds nothing (no out-of-bounds access)."""
+    x, w13, w2, tw, ids = make(6, 4, 2, 32, 32, torch.float32, seed=8)
+    bad = ids.clone()
+    bad[1, 0], bad[4, 1] = -1, 4
+    got = triton_moe(x, w13, w2, tw, bad)
+    tw0 = tw.clone()
+    tw0[1, 0], tw0[4, 1] = 0.0, 0.0
+    assert rel_err(got, reference(x, w13, w2, tw0, ids)) < BARS[torch.float32]
+
+
+def test_triton_no_tokens():
+    x, w13, w2, tw, ids = make(0, 4, 2, 32, 32)
+    assert triton_moe(x, w13, w2, tw, ids).shape == (0, 32)
+
+
+def test_public_op_dispatches_to_triton(monkeypatch):
+    """On a CUDA tensor ``fused_moe`` runs the Triton function (here: forced on CPU tensors); float64 stays on the
+    PyTorch path (the kernels compute in float32)."""
+    import kimi_linear.ops.moe as moe_op
+
+    calls = []
+
+    def fake(*args):
+        calls.append(args[-3])
+        return triton_moe(*args)
+
+    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fake if name == "fused_moe" else None)
+    x, w13, w2, tw, ids = make(4, 4, 2, 32, 32, seed=9)
+    got = fused_moe(x, w13, w2, tw, ids, activation="situ")
+    assert calls == ["situ"] and rel_err(got, reference(x, w13, w2, tw, ids, "situ")) < BARS[torch.float32]
+    fused_moe(x.double(), w13.double(), w2.double(), tw, ids)
+    assert calls == ["situ"]
+
+
+def _args(**bad):
+    x, w13, w2, tw, ids = make(3, 4, 2, 8, 6)
+    args = dict(x=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ids)
+    args.update(bad)
+    return args
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(x=torch.zeros(3, 8, 1)), "x must be"),
+    (dict(x=torch.zeros(3, 8, dtype=torch.int64)), "x must be"),
+    (dict(w13=torch.zeros(4, 12, 7)), "w13 must be"),
+    (dict(w13=torch.zeros(4, 11, 8)), "w13 must be"),
+    (dict(w2=torch.zeros(4, 8, 5)), "w2 must be"),
+    (dict(w2=torch.zeros(4, 8, 6, dtype=torch.float64)), "w2 must have x's dtype"),
+    (dict(topk_ids=torch.zeros(3, 2)), "topk_ids must be"),
+    (dict(topk_ids=torch.zeros(2, 2, dtype=torch.int64)), "topk_ids must be"),
+    (dict(topk_ids=torch.zeros(3, 5, dtype=torch.int64)), "1 <= k <= E"),
+    (dict(topk_weights=torch.zeros(3, 3)), "topk_weights must be"),
+    (dict(topk_weights=torch.zeros(3, 2, dtype=torch.int64)), "topk_weights must be"),
+    (dict(activation="gelu"), "activation must be"),
+    (dict(situ_beta=0.0), "situ_beta must be"),
+    (dict(situ_linear_beta=-1.0), "situ_linear_beta must be"),
+])
+def test_bad_inputs(bad, match):
+    with pytest.raises(ValueError, match=match):
+        fused_moe(**_args(**bad))
