@@ -126,7 +126,7 @@ def test_runner_batches_equal_chunks_exactly(model):
 def test_resolved_defaults():
     cpu, gpu = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
     assert (cpu.prefill_chunk, cpu.max_num_batched_tokens, cpu.cuda_graphs) == (64, 64, False)
-    assert (gpu.prefill_chunk, gpu.max_num_batched_tokens, gpu.cuda_graphs) == (2048, 8192, True)
+    assert (gpu.prefill_chunk, gpu.max_num_batched_tokens, gpu.cuda_graphs) == (2048, 16384, True)
     assert EngineConfig(block_size=48).resolved("cuda").prefill_chunk == 2016
     with pytest.raises(ValueError, match="`max_num_batched_tokens`"):
         EngineConfig(max_num_batched_tokens=True).validate()  # type: ignore[arg-type]

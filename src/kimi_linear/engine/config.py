@@ -35,7 +35,7 @@ class EngineConfig:
     max_num_batched_tokens: the step's token budget: decode rows (one token each) plus prompt chunks; chunks of
         equal length from several sequences run as one batched forward. At least one chunk runs per step whatever
         the budget, so prompts always progress. ``None``: ``prefill_chunk`` on CPU (one chunk beside the decode
-        rows, which keeps their latency low), 8192 on a GPU (where a forward of thousands of tokens costs about
+        rows, which keeps their latency low), 16384 on a GPU (where a forward of thousands of tokens costs about
         what one of a few hundred does).
     prefix_caching: share full MLA blocks by hash chain and restore KDA snapshots.
     num_snapshots: KDA snapshot slots for prefix caching (LRU); default ``4 * max_num_seqs``.
@@ -63,7 +63,7 @@ class EngineConfig:
         if cfg.prefill_chunk is None:
             cfg.prefill_chunk = max(2048 if gpu else 64, self.block_size) // self.block_size * self.block_size
         if cfg.max_num_batched_tokens is None:
-            cfg.max_num_batched_tokens = 8192 if gpu else cfg.prefill_chunk
+            cfg.max_num_batched_tokens = 16384 if gpu else cfg.prefill_chunk
         if cfg.cuda_graphs is None:
             cfg.cuda_graphs = gpu
         return cfg.validate()

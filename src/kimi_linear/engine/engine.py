@@ -50,7 +50,6 @@ class LLMEngine:
         paged = bool(self.cfg.cuda_graphs)
         self.cache = CacheManager(model, self.cfg, paged=paged)
         self.scheduler = Scheduler(self.cfg, self.cache, self.cfg.max_num_batched_tokens)
-        self.scheduler.on_admit = self._on_admit
         self.runner = ModelRunner(model, self.cache, graphs=paged, capture=paged and self.device.type == "cuda")
         self.by_id: dict[str, Sequence] = {}
         self._counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefix_cache_hit_tokens=0,
@@ -72,10 +71,11 @@ class LLMEngine:
         return dict(self._counters, preemptions=self.scheduler.preemptions,
                     graph_decode_forwards=self.runner.graph_forwards)
 
-    def _on_admit(self, seq: Sequence, hit: bool) -> None:
-        self._counters["prefix_cache_queries"] += 1
-        self._counters["prefix_cache_hits"] += hit
-        self._counters["prefix_cache_hit_tokens"] += seq.num_computed
+    def _count_admitted(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._counters["prefix_cache_queries"] += 1
+            self._counters["prefix_cache_hits"] += seq.num_computed > 0
+            self._counters["prefix_cache_hit_tokens"] += seq.num_computed
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def allocated_bytes(self) -> dict[str, int]:
@@ -261,6 +261,7 @@ class LLMEngine:
         and emit for every sequence that caught up with its tokens."""
         self._counters["steps"] += 1
         plan = self.scheduler.plan()
+        self._count_admitted(plan.admitted)
         if plan.decode:
             self._counters["decode_forwards"] += 1
             logits = self.runner.decode(plan.decode)
@@ -276,7 +277,7 @@ class LLMEngine:
                 self.cache.register_blocks(s, snapshot=True)
                 self._after_forward_isolated(s, logits)
         if not self.running and self.waiting:
-            self.scheduler.admit()          # the step may have finished every running sequence
+            self._count_admitted(self.scheduler.admit())    # the step may have finished every running sequence
             if not self.running:
                 # Nothing runs and the head could not be admitted with every block free: the pool is too small
                 # for it (check_request rules this out); fail it rather than spin.

@@ -22,6 +22,7 @@ class StepPlan:
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)     # admitted for the first time this step
 
 
 class Scheduler:
@@ -34,10 +35,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.hold_admission = False          # set by a preemption, cleared by a finish
         self.preemptions = 0
-        self.on_admit = None                 # callback(seq, cached tokens) on a first admission (engine counters)
 
     # --------------------------------------------------------------------------------------------- admission
-    def admit(self) -> None:
+    def admit(self) -> list[Sequence]:
+        """Admit from the head of the queue; returns the sequences admitted for the first time."""
+        first: list[Sequence] = []
         while self.waiting and self.cache.slots.free:
             seq = self.waiting[0]
             shared, h = self.cache.match_prefix(seq)
@@ -55,10 +57,10 @@ class Scheduler:
             if not seq.admitted_once:
                 seq.cached_tokens = seq.num_computed
                 seq.admitted_once = True
-                if self.on_admit is not None:
-                    self.on_admit(seq, bool(shared))
+                first.append(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+        return first
 
     def preempt(self, seq: Sequence) -> None:
         """Give back a running sequence's slot and blocks; it is recomputed from its tokens when readmitted."""
@@ -90,8 +92,7 @@ class Scheduler:
     # -------------------------------------------------------------------------------------------------- plan
     def plan(self) -> StepPlan:
         """Admit, then choose this step's decode rows and prompt chunks (blocks reserved for all of them)."""
-        self.admit()
-        plan = StepPlan()
+        plan = StepPlan(admitted=self.admit())
         for s in [s for s in self.running if s.num_tokens() - s.num_computed == 1]:
             if s.status == Status.RUNNING and self.reserve(s, s.num_computed + 1):
                 plan.decode.append(s)

@@ -23,6 +23,7 @@ addresses).
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -241,7 +242,15 @@ class DecodeGraphs:
             self.forward(step.inputs, b)
         cur.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the engine runs in its own thread; other threads' CUDA calls must not abort the capture.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            step.logits = self.forward(step.inputs, b)
+        # The garbage collector must not run inside the capture: collecting an object that owns a CUDA graph (an
+        # engine or generate call that is gone) resets that graph, which a capturing stream does not permit, and
+        # the capture fails (seen on the H200 at random buckets). Collect first, then hold it off.
+        gc.collect()
+        gc.disable()
+        try:
+            # thread_local: the engine runs in its own thread; other threads' CUDA calls must not abort the capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                step.logits = self.forward(step.inputs, b)
+        finally:
+            gc.enable()
         step.graph = graph

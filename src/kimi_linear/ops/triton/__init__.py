@@ -1,16 +1,17 @@
-"""Triton kernels for KDA (issue 4) and the fused MoE (issue 18) on CUDA. :mod:`kimi_linear.ops.backend` dispatches
-CUDA tensors here.
+"""Triton kernels on CUDA: KDA (chunked and recurrent), its short convolution and gated output norm, the paged MLA
+decode attention and the fused MoE. :mod:`kimi_linear.ops.backend` dispatches CUDA tensors to what this module
+exports; dropping a name here sends its callers to the PyTorch path.
 
-Imports cleanly without a GPU (the tests run the kernels under ``TRITON_INTERPRET=1`` on CPU tensors).
+Imports cleanly without a GPU (the tests run the kernels under ``TRITON_INTERPRET=1`` on CPU tensors). Each kernel
+is checked at full size on an H200 by its bench script (kda_kernels.py, kda_layer.py, mla_decode_gpu.py,
+moe_gpu.py; BENCHMARKS.md).
 """
 
 from .chunk import chunk_kda
+from .conv import short_conv
 from .mla_decode import paged_mla_decode
 from .moe import fused_moe
+from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 
-# The short-conv and gated-norm kernels (conv.py, norm.py) are tested under the interpreter but have not yet run on
-# a GPU: the public ops dispatch to them once bench/kda_layer.py's full-size check passes there (add them here).
-# paged_mla_decode (H200-checked by bench/mla_decode_gpu.py) and fused_moe (bench/moe_gpu.py) are the decode
-# step's kernels (issue 18); dropping one here sends its callers to the PyTorch path.
-__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "paged_mla_decode"]
+__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "short_conv"]
