@@ -92,3 +92,27 @@ def test_block_v_variants_agree():
     outs = [fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                 output_final_state=True, block_v=bv) for bv in (8, 64)]
     assert rel_err(outs[0][0], outs[1][0]) < 1e-6 and rel_err(outs[0][1], outs[1][1]) < 1e-6
+
+
+@pytest.mark.parametrize("B,T", [(3, 1), (1, 1), (2, 5), (1, 7)])
+def test_inputs_read_in_place_from_a_packed_projection(B, T):
+    """q, k, v and beta as the KDA layer hands them over: views into one [B, T, width] projection output (q|k|v
+    unbound from [.., 3, H, K], beta a column slice). The kernel reads them through their token strides: the same
+    bits as with contiguous copies, and the token_stride rule says when a view can be read in place."""
+    from kimi_linear.ops.triton.recurrent import token_stride
+
+    H, K = 2, 32
+    x = make_inputs(B=B, T=T, H=H, K=K, V=K, seed=28)
+    packed = torch.randn(B, T, 3 * H * K + 5 + H)
+    qkv = packed[..., : 3 * H * K].view(B, T, 3, H, K)
+    for i, name in enumerate(("q", "k", "v")):
+        qkv[:, :, i] = x[name]
+    packed[..., 3 * H * K + 5 :] = x["beta"]
+    q, k, v = qkv.unbind(2)
+    beta = packed[..., 3 * H * K + 5 :]
+    assert token_stride(q) == (packed.stride(0) if T == 1 and B > 1 else packed.stride(1) if T > 1 else H * K)
+    views = fused_recurrent_kda(q, k, v, x["g"], beta, initial_state=x["initial_state"], output_final_state=True)
+    copies = fused_recurrent_kda(q.contiguous(), k.contiguous(), v.contiguous(), x["g"], beta.contiguous(),
+                                 initial_state=x["initial_state"], output_final_state=True)
+    assert torch.equal(views[0], copies[0]) and torch.equal(views[1], copies[1])
+    assert token_stride(packed.transpose(0, 1)) is None or B == 1 or T == 1

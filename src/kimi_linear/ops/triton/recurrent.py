@@ -22,6 +22,7 @@ def fused_recurrent_kda_fwd_kernel(
     h0, ht,                           # [N or slots, HV, K, V] float32 (ht may be h0: the in-place pool)
     A_log, dt_bias,                   # [HV], [HV, K] (in-kernel gate only)
     cu_seqlens, state_indices,        # [N + 1], [N] (optional)
+    s_q, s_k, s_v, s_g, s_b,          # elements from one token to the next in q, k, v, g, beta (views welcome)
     scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
@@ -48,12 +49,12 @@ def fused_recurrent_kda_fwd_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
 
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_q = q + bos * s_q + i_h * K + o_k
+    p_k = k + bos * s_k + i_h * K + o_k
+    p_v = v + bos * s_v + i_hv * V + o_v
     p_o = o + (bos * HV + i_hv) * V + o_v
-    p_g = g + (bos * HV + i_hv) * K + o_k
-    p_beta = beta + bos * HV + i_hv
+    p_g = g + bos * s_g + i_hv * K + o_k
+    p_beta = beta + bos * s_b + i_hv
     o_h = (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)                 # [BK, BV]
@@ -84,15 +85,42 @@ def fused_recurrent_kda_fwd_kernel(
         b_o = tl.sum(b_h * b_q[:, None], 0) * scale                      # [BV] read with the query
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
-        p_q += H * K
-        p_k += H * K
-        p_v += HV * V
+        p_q += s_q
+        p_k += s_k
+        p_v += s_v
         p_o += HV * V
-        p_g += HV * K
-        p_beta += HV
+        p_g += s_g
+        p_beta += s_b
 
     if STORE_FINAL_STATE:
         tl.store(ht + o_h, b_h, mask=m_h)
+
+
+def token_stride(x: torch.Tensor) -> int | None:
+    """Elements from one token to the next of x [B, T, ...] when its per-token part is packed and (B, T) fold into
+    one token axis; else None. The decode step's q, k, v and beta are views into the packed projection's output
+    (one row per token): reading them in place saves a copy kernel each, which at batch 1 costs as much as the
+    recurrence itself."""
+    expected = 1
+    for d in range(x.dim() - 1, 1, -1):
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return None
+        expected *= x.shape[d]
+    B, T = x.shape[0], x.shape[1]
+    if T == 1:
+        return x.stride(0) if B > 1 else expected
+    if B == 1 or x.stride(0) == T * x.stride(1):
+        return x.stride(1)
+    return None
+
+
+def packed_tokens(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x or a contiguous copy, its token stride)."""
+    s = token_stride(x)
+    if s is None:
+        x = x.contiguous()
+        s = token_stride(x)
+    return x, s
 
 
 def recurrent_block_v(programs_per_block: int, V: int) -> int:
@@ -140,7 +168,7 @@ def fused_recurrent_kda(
         check_gate_params(HV, K, A_log, dt_bias, lower_bound)
     elif A_log is not None or dt_bias is not None or lower_bound is not None:
         raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    (q, s_q), (k, s_k), (v, s_v), (g, s_g), (beta, s_b) = (packed_tokens(x) for x in (q, k, v, g, beta))
     if use_gate_in_kernel:
         A_log = A_log.contiguous()
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
@@ -167,6 +195,7 @@ def fused_recurrent_kda(
         dt_bias if (use_gate_in_kernel and dt_bias is not None) else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
         state_indices if state_indices is not None else dummy,
+        s_q, s_k, s_v, s_g, s_b,
         scale, float(lower_bound) if lower_bound is not None else 0.0, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, USE_INITIAL_STATE=initial_state is not None,
