@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe import fused_moe, fused_moe_available
-from ..ops.router import sigmoid_topk_route
 from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
@@ -78,10 +77,6 @@ class SigmoidTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
-        if self.n_group == 1:
-            # One operator (one Triton kernel for a decode batch on CUDA; the same math below otherwise).
-            return sigmoid_topk_route(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
-                                      self.routed_scaling_factor)
         scores = F.linear(upcast(x), upcast(self.weight)).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:

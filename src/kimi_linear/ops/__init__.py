@@ -10,7 +10,6 @@ from .moe import fused_moe
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
-from .router import sigmoid_topk_route
 
 __all__ = [
     "CHUNK_SIZE",
@@ -26,5 +25,4 @@ __all__ = [
     "naive_recurrent_kda",
     "paged_mla_decode",
     "short_conv",
-    "sigmoid_topk_route",
 ]

@@ -1,6 +1,6 @@
 """Triton kernels on CUDA: KDA (chunked and recurrent), its short convolution and gated output norm, the paged MLA
-decode attention, the MoE router and the fused MoE. :mod:`kimi_linear.ops.backend` dispatches CUDA tensors to what
-this module exports; dropping a name here sends its callers to the PyTorch path.
+decode attention and the fused MoE. :mod:`kimi_linear.ops.backend` dispatches CUDA tensors to what this module
+exports; dropping a name here sends its callers to the PyTorch path.
 
 Imports cleanly without a GPU (the tests run the kernels under ``TRITON_INTERPRET=1`` on CPU tensors). Each kernel
 is checked at full size on an H200 by its bench script (kda_kernels.py, kda_layer.py, mla_decode_gpu.py,
@@ -13,7 +13,5 @@ from .mla_decode import paged_mla_decode
 from .moe import fused_moe
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
-from .router import sigmoid_topk_route
 
-__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "short_conv",
-           "sigmoid_topk_route"]
+__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "short_conv"]
