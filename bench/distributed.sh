@@ -2,6 +2,7 @@
 # Issue 8's GPU measurements in one go on a host with 2 GPUs (NCCL), ~8 minutes at most:
 #     bash bench/distributed.sh OUT            # then read the table it prints, or OUT/summary.json
 #     bash bench/distributed.sh OUT --smoke    # the same path on CPU with gloo and tiny sizes (the test runs this)
+#     PYTHON=.venv/bin/python bash bench/distributed.sh OUT   # ranks start with that interpreter
 # Each phase is its own torchrun launch with a hard timeout (a phase that overruns is cut, the others still run);
 # inside, each phase keeps to a softer --budget-s, and rank 0 rewrites OUT/<phase>.json after every measurement.
 # Limits in seconds (GPU): dp on 1 GPU 120 (includes compiling the Triton kernels), dp on 2 GPUs 60, context
@@ -18,7 +19,8 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # NVLink multicast stays off on the shared GPU hosts (it can take the host's GPUs out of service): keep it off here too.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=$(command -v python3 || command -v python)
+# The Python that has the project installed: $PYTHON (the tests pass their own interpreter), else the first on PATH.
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 SMOKE=0
 for a in "$@"; do [ "$a" = "--smoke" ] && SMOKE=1; done
 

@@ -3,15 +3,18 @@ context-parallel step, the one-device longest-sequence search with its out-of-me
 with gloo, so the one GPU call cannot fail on a typo."""
 
 import json
+import os
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_distributed_bench_smoke(tmp_path):
+    # Ranks start with this test's interpreter (the project may live in a virtual environment that is not on PATH).
     done = subprocess.run(["bash", str(ROOT / "bench" / "distributed.sh"), str(tmp_path), "--smoke"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
     log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else ""
     assert done.returncode == 0, done.stderr[-2000:] + log[-3000:]
     assert log.count("=== exit 0") == 4, log[-3000:]
