@@ -344,31 +344,35 @@ def part_b(args: argparse.Namespace, tmp: str) -> dict:
     res["prefill"] = prefill_compare(model, args.prefill_n, args.prefill_T)
     print(f"prefill: {res['prefill']}", flush=True)
 
-    print(f"\n## (b) {args.speed_model}, bf16, copy bandwidth {bw / 1e9:.0f} GB/s\n")
-    print("Time per output token at batch 1 (floor: active weights + cache read once):\n")
-    print("| context | engine ms | generate ms | floor ms | engine / floor |")
-    print("|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['context']} | {r['engine_ms']:.3f} | {r['generate_ms']:.3f} | {r['floor_ms']:.3f} | "
-              f"{r['engine_ms'] / r['floor_ms']:.2f}x |")
-    gen = res["generate"]
-    print(f"\n`generate`, {args.hf_prompt}-token prompt, {args.hf_new} new tokens, batch 1:\n")
-    print("| path | TTFT s | TPOT ms | tok/s |")
-    print("|---|---:|---:|---:|")
-    for k, v in gen.items():
-        label = dict(ours="kimi-linear generate (CUDA graph)", ours_eager="kimi-linear generate, cuda_graphs=False",
-                     transformers=f"transformers generate ({'fla-core' if v.get('fla') else 'no fla'})").get(k, k)
-        print(f"| {label} | {v['ttft_s']:.3f} | {v['tpot_ms']:.3f} | {1e3 / v['tpot_ms']:.0f} |")
-    print(f"\nDecode-only engine throughput, {args.prompt_len}-token prompts:\n")
-    print("| batch | tok/s | step ms (mean / p50) | floor ms | step / floor |")
-    print("|---:|---:|---|---:|---:|")
-    for r in thr:
-        print(f"| {r['batch']} | {r['tok_per_s']:,.0f} | {r['step_ms']:.3f} / {r['step_ms_p50']:.3f} | "
-              f"{r['floor_ms']:.3f} | {r['step_ms'] / r['floor_ms']:.2f}x |")
+    print(f"\n## (b) {args.speed_model}, bf16, copy bandwidth {bw / 1e9:.0f} GB/s")
+    table("Time per output token at batch 1 (floor: active weights + cache read once):",
+          ["context", "engine ms", "generate ms", "floor ms", "engine / floor"],
+          [[r["context"], f"{r['engine_ms']:.3f}", f"{r['generate_ms']:.3f}", f"{r['floor_ms']:.3f}",
+            f"{r['engine_ms'] / r['floor_ms']:.2f}x"] for r in rows])
+    labels = dict(ours="kimi-linear generate (CUDA graph)", ours_eager="kimi-linear generate, cuda_graphs=False")
+    table(f"`generate`, {args.hf_prompt}-token prompt, {args.hf_new} new tokens, batch 1:",
+          ["path", "TTFT s", "TPOT ms", "tok/s"],
+          [[labels.get(k, f"transformers generate ({'fla-core' if v.get('fla') else 'no fla'})"),
+            f"{v['ttft_s']:.3f}", f"{v['tpot_ms']:.3f}", f"{1e3 / v['tpot_ms']:.0f}"]
+           for k, v in res["generate"].items()])
+    table(f"Decode-only engine throughput, {args.prompt_len}-token prompts:",
+          ["batch", "tok/s", "step ms (mean / p50)", "floor ms", "step / floor"],
+          [[r["batch"], f"{r['tok_per_s']:,.0f}", f"{r['step_ms']:.3f} / {r['step_ms_p50']:.3f}",
+            f"{r['floor_ms']:.3f}", f"{r['step_ms'] / r['floor_ms']:.2f}x"] for r in thr])
     p = res["prefill"]
     print(f"\nPrefill of {p['prompts']} x {p['tokens']} tokens: engine {p['engine_tok_per_s']:,.0f} tok/s, one bare "
           f"forward {p['bare_tok_per_s']:,.0f} tok/s: {100 * p['ratio']:.0f}% (token budget {p['budget']})")
     return res
+
+
+def table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    """A markdown table under a title line (numbers right-aligned)."""
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if i == 0 and header[0] in ("path", "model") else "---:" for i in range(len(header)))
+          + "|")
+    for r in rows:
+        print("| " + " | ".join(str(x) for x in r) + " |")
 
 
 def main() -> int:
