@@ -130,3 +130,36 @@ def test_resolved_defaults():
     assert EngineConfig(block_size=48).resolved("cuda").prefill_chunk == 2016
     with pytest.raises(ValueError, match="`max_num_batched_tokens`"):
         EngineConfig(max_num_batched_tokens=True).validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "k3-tiny"])
+def test_mixed_steps_equal_separate_forwards(preset):
+    """EngineConfig(mixed_steps=True): decode rows and prompt chunks of several requests in one packed forward give
+    the tokens and log-probs of separate forwards (rows join and leave; prefix hits and a preemption included)."""
+    from .test_cuda_graph import mixed_requests, run_with_logprobs
+    from .test_engine import LLMEngine
+
+    torch.manual_seed(0)
+    m = KimiLinearForCausalLM(preset_config(preset, eos_token_id=EOS)).init_weights(0).eval()
+    reqs = mixed_requests(11, 8, 90, 20)
+    base = [256 - i for i in range(40)]                           # a shared prefix: prefix-cache hits
+    reqs.update({f"p{i}": (base + [i], SamplingParams(max_tokens=6, temperature=0, logprobs=0)) for i in range(3)})
+    cfg = dict(max_num_seqs=4, prefill_chunk=16, max_num_batched_tokens=48, num_blocks=14)
+    ref_out, ref_lp = run_with_logprobs(LLMEngine(m, EngineConfig(**cfg)), reqs)
+    engine = LLMEngine(m, EngineConfig(mixed_steps=True, **cfg))
+    packed: list[tuple[int, int]] = []                            # (one-token rows, longer chunks) per forward
+    inner = engine.runner.mixed
+
+    def spy(work):
+        packed.append((sum(T == 1 for _, T in work), sum(T > 1 for _, T in work)))
+        return inner(work)
+
+    engine.runner.mixed = spy
+    out, lp = run_with_logprobs(engine, reqs)
+    assert out == ref_out
+    for k in reqs:
+        assert lp[k] == pytest.approx(ref_lp[k], abs=1e-4), k
+    assert engine.counters["prefix_cache_hits"] > 0 and engine.counters["preemptions"] > 0
+    # Some forwards carried decode rows and several prompt chunks together.
+    assert any(d >= 1 and p >= 1 for d, p in packed) and any(p >= 2 for _, p in packed), packed
+    assert engine.stats()["kda_slots_used"] == 0 and engine.stats()["mla_blocks_used"] == 0

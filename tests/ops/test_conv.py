@@ -104,3 +104,26 @@ def test_bad_inputs(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         short_conv(**args)
+
+
+@pytest.mark.parametrize("lens", [[1, 5, 2, 9], [1], [3, 1, 1]])
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_varlen_sequences_each_continue_from_their_past(lens, use_triton, monkeypatch):
+    """short_conv_varlen (a mixed engine step's packed sequences): each sequence's outputs and next window equal
+    running it alone from its own past, length-1 sequences and the Triton kernel (interpreter) included."""
+    import kimi_linear.ops.conv as conv_mod
+    from kimi_linear.ops.conv import short_conv_varlen
+
+    if use_triton:
+        monkeypatch.setattr(conv_mod, "triton_op", lambda name, x: triton_short_conv)
+    N, C = len(lens), 40
+    x, w, _ = make(1, sum(lens), C, seed=4)
+    past = torch.randn(N, 3, C, generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    y, win = short_conv_varlen(x, w, past, cu)
+    for n in range(N):
+        a, b = int(cu[n]), int(cu[n + 1])
+        y_ref = naive_short_conv(x[:, a:b], w, past[n : n + 1])
+        assert rel_err(y[:, a:b], y_ref) < 1e-5, n
+        full = torch.cat([past[n], x[0, a:b]])
+        assert torch.equal(win[n], full[-3:]), n

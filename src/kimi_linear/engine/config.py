@@ -37,6 +37,12 @@ class EngineConfig:
         the budget, so prompts always progress. ``None``: ``prefill_chunk`` on CPU (one chunk beside the decode
         rows, which keeps their latency low), 16384 on a GPU (where a forward of thousands of tokens costs about
         what one of a few hundred does).
+    mixed_steps: a step with prompt chunks runs its decode rows and its chunks as one forward (the sequences
+        packed into one row: varlen ``chunk_kda`` from each slot's state, MLA over each sequence's own latents)
+        instead of a decode forward plus batched chunk forwards. Default off: on CPU it is slower (the shipped
+        model, 24 requests of 64-255 prompt tokens and 48 new ones, 16 slots: 122-132 against 211-241 output
+        tok/s, same tokens; one-token rows pay the chunked kernel and the packed MLA layout), and on a GPU it is
+        not measured yet (its decode rows leave their CUDA graph for that step).
     prefix_caching: share full MLA blocks by hash chain and restore KDA snapshots.
     num_snapshots: KDA snapshot slots for prefix caching (LRU); default ``4 * max_num_seqs``.
     cuda_graphs: run batched decode steps through the fixed-shape step of ``kimi_linear.model.paged`` (KDA states
@@ -52,6 +58,7 @@ class EngineConfig:
     block_size: int = 16
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
+    mixed_steps: bool = False
     prefix_caching: bool = True
     num_snapshots: int | None = None
     cuda_graphs: bool | None = None

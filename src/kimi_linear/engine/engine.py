@@ -262,6 +262,20 @@ class LLMEngine:
         self._counters["steps"] += 1
         plan = self.scheduler.plan()
         self._count_admitted(plan.admitted)
+        if plan.prefill and self.cfg.mixed_steps:
+            self._mixed_step(plan)
+        else:
+            self._separate_step(plan)
+        if not self.running and self.waiting:
+            self._count_admitted(self.scheduler.admit())    # the step may have finished every running sequence
+            if not self.running:
+                # Nothing runs and the head could not be admitted with every block free: the pool is too small
+                # for it (check_request rules this out); fail it rather than spin.
+                self._finish(self.waiting[0], "error", emit=True)
+
+    def _separate_step(self, plan: Any) -> None:
+        """Decode rows in one forward (the CUDA-graph step when there is one), then the prompt chunks batched by
+        length."""
         if plan.decode:
             self._counters["decode_forwards"] += 1
             logits = self.runner.decode(plan.decode)
@@ -276,9 +290,17 @@ class LLMEngine:
                 self._advance([s], T)
                 self.cache.register_blocks(s, snapshot=True)
                 self._after_forward_isolated(s, logits)
-        if not self.running and self.waiting:
-            self._count_admitted(self.scheduler.admit())    # the step may have finished every running sequence
-            if not self.running:
-                # Nothing runs and the head could not be admitted with every block free: the pool is too small
-                # for it (check_request rules this out); fail it rather than spin.
-                self._finish(self.waiting[0], "error", emit=True)
+
+    def _mixed_step(self, plan: Any) -> None:
+        """Decode rows and prompt chunks as one packed forward (``EngineConfig.mixed_steps``)."""
+        work = [(s, 1) for s in plan.decode] + plan.prefill
+        self._counters["decode_forwards"] += bool(plan.decode)
+        self._counters["prefill_forwards"] += 1
+        out = self.runner.mixed(work)
+        logits = torch.stack([lg for _, lg in out])
+        greedy = self._greedy_readback(logits)
+        for r, (s, T) in enumerate(work):
+            self._advance([s], T)
+            if r >= len(plan.decode):
+                self.cache.register_blocks(s, snapshot=True)
+            self._after_forward_isolated(s, logits[r], greedy[r])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kimi_linear.layers import LatentCache
+from kimi_linear.layers import LatentCache, VarlenKDAState, VarlenLatents
 from kimi_linear.model.cache import HybridCache
 from kimi_linear.model.paged import DecodeGraphs
 
@@ -90,3 +90,42 @@ class ModelRunner:
             for r, s in enumerate(seqs):
                 got[id(s)] = logits[r]
         return [(s, got[id(s)]) for s, _ in chunks]
+
+    @torch.inference_mode()
+    def mixed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """Every sequence's next tokens (decode rows: 1; prompt chunks: T) packed into one row and run as one
+        forward (``cu_seqlens``): KDA layers continue each sequence from its slot through the varlen conv and
+        ``chunk_kda``; MLA layers attend each sequence over its own past (gathered from its blocks) and its new
+        tokens. Returns (sequence, last-position logits [vocab] float32) in the given order; states and latents
+        are written back."""
+        cm, dev, dtype = self.cache, self.device, self.model.dtype
+        seqs = [s for s, _ in chunks]
+        Ts = [T for _, T in chunks]
+        ps = [s.num_computed for s in seqs]
+        offsets = [0]
+        for T in Ts:
+            offsets.append(offsets[-1] + T)
+        cu = torch.tensor(offsets, device=dev)
+        ids = torch.tensor([t for s, T in chunks for t in s.token_slice(s.num_computed, s.num_computed + T)],
+                           device=dev)[None]
+        index = torch.tensor([s.slot for s in seqs], device=dev)
+        P = max(ps)
+        caches: list = [None] * len(self.model.model.layers)
+        for j, li in enumerate(cm.kda_idx):
+            caches[li] = VarlenKDAState(cm.slots.conv[j], cm.slots.rec[j], index)
+        pasts = [torch.zeros(len(seqs), P, w, dtype=dtype, device=dev) for w in cm.widths]
+        for r, s in enumerate(seqs):
+            if ps[r]:
+                for past, e in zip(pasts, cm.blocks.gather(s.block_table, ps[r])):
+                    past[r, P - ps[r]:] = e                              # left-padded: the past ends at P
+        past_len = torch.tensor(ps, device=dev)
+        views = [VarlenLatents(past, past_len, cu) for past in pasts]
+        for li, view in zip(cm.mla_idx, views):
+            caches[li] = view
+        m = self.model
+        x = m.model.run_layers(m.model.embed_tokens(ids), caches, None, None, cu)
+        logits = m.lm_head(m.model.norm(x[0, cu[1:] - 1])).float()                # [N, vocab]
+        for r, s in enumerate(seqs):
+            a, b = offsets[r], offsets[r + 1]
+            cm.blocks.write(s.block_table, ps[r], [v.new[a:b] for v in views])
+        return [(s, logits[r]) for r, s in enumerate(seqs)]

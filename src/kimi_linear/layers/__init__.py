@@ -6,9 +6,9 @@ Each is a small ``nn.Module`` whose parameter names are the checkpoint's; the KD
 
 from .activation import SiTUGLU, make_glu, silu_glu
 from .attn_res import AttnResState, depth_mix
-from .kda import KDAState, KimiDeltaAttention, PooledKDAState
+from .kda import KDAState, KimiDeltaAttention, PooledKDAState, VarlenKDAState
 from .linear import Linear
-from .mla import LatentCache, NoPEMLA, PagedLatentView
+from .mla import LatentCache, NoPEMLA, PagedLatentView, VarlenLatents
 from .mlp import SwiGLUMLP
 from .moe import Expert, SigmoidTopKRouter, SparseMoE
 from .norm import GatedRMSNorm, RMSNorm
@@ -32,4 +32,6 @@ __all__ = [
     "SigmoidTopKRouter",
     "SparseMoE",
     "SwiGLUMLP",
+    "VarlenKDAState",
+    "VarlenLatents",
 ]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
+from kimi_linear.ops.conv import short_conv_varlen
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
@@ -58,6 +59,18 @@ class PooledKDAState:
     @conv.setter
     def conv(self, window: torch.Tensor) -> None:
         self.conv_pool.index_copy_(0, self.index, window.to(self.conv_pool.dtype))
+
+
+@dataclass
+class VarlenKDAState:
+    """The KDA states of N sequences packed into one row (``cu_seqlens``), each continuing from its pool row: a
+    mixed engine step (decode rows and prompt chunks in one forward). conv_pool / rec_pool as in
+    :class:`PooledKDAState`; index: [N] int64 pool row of each sequence. The conv windows and memories are gathered,
+    run through the varlen conv and ``chunk_kda``, and written back."""
+
+    conv_pool: torch.Tensor
+    rec_pool: torch.Tensor
+    index: torch.Tensor
 
 
 class KimiDeltaAttention(nn.Module):
@@ -123,8 +136,8 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def _conv(
-        self, x: torch.Tensor, state: KDAState | PooledKDAState | None, pos: torch.Tensor | None = None,
-        prev: torch.Tensor | None = None,
+        self, x: torch.Tensor, state: KDAState | PooledKDAState | VarlenKDAState | None,
+        pos: torch.Tensor | None = None, prev: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal depthwise conv + SiLU over q|k|v (:func:`kimi_linear.ops.conv.short_conv`, Triton on CUDA).
         x: [B, T, 3*H*d] -> same shape; updates ``state.conv``.
@@ -133,7 +146,13 @@ class KimiDeltaAttention(nn.Module):
         document's start is dropped, so the window never crosses a boundary.
         prev: [B, W-1, C] the inputs before x when they are not in ``state`` (context parallelism: the previous
         rank's last inputs).
+        cu_seqlens: with a :class:`VarlenKDAState`, the packed sequences, each continuing from its own window.
         """
+        if isinstance(state, VarlenKDAState):
+            past = state.conv_pool.index_select(0, state.index)
+            y, windows = short_conv_varlen(x, self._conv_weight(x.dtype), past, cu_seqlens)
+            state.conv_pool.index_copy_(0, state.index, windows.to(state.conv_pool.dtype))
+            return y
         past = prev if prev is not None else state.conv if state is not None else None
         y, window = short_conv(x, self._conv_weight(x.dtype), past, pos)
         if state is not None:
@@ -166,7 +185,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        state: KDAState | PooledKDAState | None = None,
+        state: KDAState | PooledKDAState | VarlenKDAState | None = None,
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
@@ -197,7 +216,7 @@ class KimiDeltaAttention(nn.Module):
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
-        q, k, v = self._conv(qkv, state, pos, prev).view(B, T, 3, H, d).unbind(2)
+        q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
         g, gate_args = self.forget_gate(f_a)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         if context_parallel is not None:
@@ -206,6 +225,11 @@ class KimiDeltaAttention(nn.Module):
             if T != 1:
                 raise ValueError("a PooledKDAState serves one-token decode steps only (T == 1)")
             memory = dict(initial_state=state.rec_pool, state_indices=state.index, output_final_state=False)
+        elif isinstance(state, VarlenKDAState):
+            if cu_seqlens is None or B != 1:
+                raise ValueError("a VarlenKDAState needs the packed sequences' `cu_seqlens` (B == 1)")
+            kda = chunk_kda
+            memory = dict(initial_state=state.rec_pool.index_select(0, state.index), output_final_state=True)
         else:
             memory = dict(initial_state=state.recurrent if state is not None else None,
                           output_final_state=state is not None)
@@ -220,6 +244,8 @@ class KimiDeltaAttention(nn.Module):
         )
         if isinstance(state, KDAState):
             state.recurrent = final
+        elif isinstance(state, VarlenKDAState):
+            state.rec_pool.index_copy_(0, state.index, final)
         gate = (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(B, T, H, d)
         o = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.o_proj(o)

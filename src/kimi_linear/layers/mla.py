@@ -72,6 +72,29 @@ class PagedLatentView:
         self.data.view(-1, self.data.shape[-1]).index_copy_(0, self.dst, entry[:, 0].to(self.data.dtype))
 
 
+@dataclass
+class VarlenLatents:
+    """The latents of N sequences packed into one row (a mixed engine step: decode rows and prompt chunks in one
+    forward). past: [N, P, width] each sequence's cached entries, left-padded (row n's are the last past_len[n]);
+    past_len: [N] int64; cu_seqlens: [N + 1] the new tokens' offsets in the row. Each new token attends to its own
+    sequence's past and causally to its sequence's new tokens; the layer leaves the new entries in ``new``
+    [T, width] for the caller to store."""
+
+    past: torch.Tensor
+    past_len: torch.Tensor
+    cu_seqlens: torch.Tensor
+    new: torch.Tensor | None = None
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx [N, Tm] flat index of row n's t-th new token (clamped), valid [N, Tm]) with Tm the longest."""
+        lens = self.cu_seqlens.diff()
+        Tm = int(lens.max())
+        t = torch.arange(Tm, device=lens.device)
+        valid = t[None] < lens[:, None]
+        idx = torch.where(valid, self.cu_seqlens[:-1, None] + t[None], self.cu_seqlens[:-1, None])
+        return idx, valid
+
+
 class NoPEMLA(nn.Module):
     """MLA without positional encoding: the ``k_rope`` slice is shared by all heads and never rotated.
 
@@ -127,7 +150,7 @@ class NoPEMLA(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: LatentCache | PagedLatentView | None = None,
+        cache: LatentCache | PagedLatentView | VarlenLatents | None = None,
         attn_mask: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -149,7 +172,12 @@ class NoPEMLA(nn.Module):
         q = q.view(B, T, H, self.qk_dim).transpose(1, 2)                           # [B, H, T, qk]
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
-        if isinstance(cache, PagedLatentView):
+        if isinstance(cache, VarlenLatents):
+            if B != 1 or context_parallel is not None:
+                raise ValueError("NoPEMLA: VarlenLatents takes the packed sequences as one row (B == 1)")
+            cache.new = entry[0]
+            out = self._varlen(q, entry, cache)
+        elif isinstance(cache, PagedLatentView):
             if T != 1 or context_parallel is not None:
                 raise ValueError(f"NoPEMLA: a PagedLatentView cache takes one token per row without context "
                                  f"parallelism, got T={T}")
@@ -210,6 +238,31 @@ class NoPEMLA(nn.Module):
         ctx = paged_mla_decode(q_lat[:, :, 0], view.data, view.block_table, view.seq_lens, self.scale,
                                self.kv_lora_rank, num_splits=view.num_splits)                 # [B, H, C]
         return torch.einsum("bhc,hvc->bhv", ctx, w_v)[:, :, None]
+
+    def _varlen(self, q: torch.Tensor, entry: torch.Tensor, cache: VarlenLatents) -> torch.Tensor:
+        """Packed sequences, each over its own past and new entries. q: [1, H, T, qk]; entry: [1, T, 576]. Returns
+        [1, H, T, v]. The rows are laid out padded [N, Tm] (Tm the longest chunk): keys ``[past | new]`` under a
+        mask; one-token rows take the absorbed form, longer ones the expanded form (expanding the past of every
+        decode row into per-head keys would cost far more than attending in latent space)."""
+        idx, valid = cache.layout()                                                 # [N, Tm]
+        N, Tm = idx.shape
+        P = cache.past.shape[1]
+        qp = q[0][:, idx].transpose(0, 1)                                           # [N, H, Tm, qk]
+        keys = torch.cat([cache.past.to(entry.dtype), entry[0][idx]], dim=1)        # [N, P + Tm, 576]
+        j = torch.arange(P + Tm, device=idx.device)
+        t = torch.arange(Tm, device=idx.device)
+        in_past = (j[None] >= P - cache.past_len[:, None]) & (j[None] < P)          # [N, L]
+        key_new = torch.cat([valid.new_zeros(N, P), valid], dim=1)                  # [N, L] a real new token
+        new_ok = (j[None, None] - P <= t[None, :, None]) & key_new[:, None]         # [N, Tm, L] causal
+        diag = j[None, None] - P == t[None, :, None]       # a padding query still sees itself: never a NaN row
+        mask = (in_past[:, None] | new_ok | diag)[:, None]                          # [N, 1, Tm, L]
+        one = valid.sum(1) == 1                                                     # rows with one new token
+        out = qp.new_empty(N, self.num_heads, Tm, self.v_dim)
+        if bool(one.any()):
+            out[one, :, :1] = self._absorbed(qp[one, :, :1], keys[one], mask[one][..., :1, :])
+        if bool((~one).any()):
+            out[~one] = self._expanded(qp[~one], keys[~one], mask[~one])
+        return out.transpose(0, 1)[:, valid][None]                                 # [1, H, T, v]
 
     def _latent_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, H, T, qk] -> (the absorbed query [B, H, T, C + rope] = [q_nope W_k | q_rope], W_v [H, v, C])."""

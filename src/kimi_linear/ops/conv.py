@@ -81,3 +81,30 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None 
     if fast is None:
         return short_conv_torch(x, weight, past, pos)
     return fast(x, weight, past, pos), next_window(x, past, weight.shape[0])
+
+
+def short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`short_conv` over N sequences packed into one row, each continuing from its own past inputs.
+
+    x: [1, T, C] the sequences' new inputs back to back, ``cu_seqlens`` [N + 1] their offsets; past: [N, W-1, C]
+    each sequence's previous W - 1 inputs. Returns ``(y [1, T, C], windows [N, W-1, C])``, the windows being what
+    each sequence continues from next. Each sequence is laid out as ``[past_n; x_n]`` in one extended row and
+    convolved with document positions (no tap crosses into the sequence before), so one call of the op serves the
+    whole batch; the W - 1 outputs of the past rows are dropped.
+    """
+    N, Wm1, C = past.shape
+    lens = cu_seqlens.diff().to(x.device)
+    ext = lens + Wm1                                                               # [N] extended lengths
+    starts = torch.cumsum(ext, 0) - ext                                            # [N] extended offsets
+    total = int(x.shape[1]) + N * Wm1
+    doc = torch.repeat_interleave(torch.arange(N, device=x.device), ext, output_size=total)
+    pos = torch.arange(total, device=x.device) - starts[doc]                      # position inside its extension
+    is_new = pos >= Wm1
+    full = x.new_empty(1, total, C)
+    full[0, is_new] = x[0]
+    full[0, ~is_new] = past.reshape(N * Wm1, C).to(x.dtype)
+    y, _ = short_conv(full, weight, None, pos)
+    ends = starts + ext                                                            # [N] one past each extension
+    last = ends[:, None] - Wm1 + torch.arange(Wm1, device=x.device)[None]          # [N, W-1] last W-1 rows
+    return y[:, is_new], full[0, last]
