@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kimi_linear.layers import KDAState
+
 if TYPE_CHECKING:
     from .modeling import KimiLinearForCausalLM
 
@@ -164,7 +166,7 @@ class _PagedDecoder:
         T = cache.seq_len
         kda = mla = 0
         for c in cache.layers:
-            if hasattr(c, "recurrent"):
+            if isinstance(c, KDAState):
                 pools.conv[kda][:B].copy_(c.conv)
                 pools.rec[kda][:B].copy_(c.recurrent)
                 kda += 1
