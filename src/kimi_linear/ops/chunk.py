@@ -6,12 +6,11 @@ import torch
 
 from .backend import triton_op
 from .checks import KDAShape, check_kda_inputs
+from .compat import CHUNK_SIZE, check_chunk_size, check_cu_seqlens_cpu, gate_params, k_first, v_first
 from .gate import KernelOptions
 from .intra import ChunkIntra, safe_exp, wy_representation
 from .layout import SequenceLayout, expand_heads
 from .scan import ChunkStateScan
-
-CHUNK_SIZE = 64
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -30,8 +29,9 @@ def delta_rule_chunked(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     chunk_size: int = CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunkwise algorithm on validated, already-transformed inputs; returns (o in float32/64, S_final).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunkwise algorithm on validated, already-transformed inputs; returns (o in float32/64, S_final, the
+    state at the start of every chunk [N, HV, NC, K, V]).
 
     Works on rows ``[N, HV, NC, C, *]``: all intra-chunk work is batched over every chunk at once; only the state
     passes from chunk to chunk (:class:`ChunkStateScan`).
@@ -61,7 +61,7 @@ def delta_rule_chunked(
     S_starts, Delta, S_final = ChunkStateScan.apply(W, U, k_end, decay, S0)
     o = scale * ((qc * decay_start) @ S_starts + A_qk @ Delta)                     # [N, HV, NC, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(s.N, layout.L, s.HV, s.V)
-    return layout.from_rows(o), S_final
+    return layout.from_rows(o), S_final, S_starts
 
 
 def chunk_kda(
@@ -76,40 +76,75 @@ def chunk_kda(
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    allow_neg_eigval: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kimi Delta Attention, chunkwise (chunk 64); differentiable in every tensor input.
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Kimi Delta Attention, chunkwise (chunk 64); differentiable in every tensor input. fla-core 0.6's signature.
 
-    Args (fla-core 0.6 names and layout):
+    Args (fla-core 0.6 names, order and layout):
         q, k: [B, T, H, K]. v: [B, T, HV, V], HV a multiple of H (value head j uses q/k head j // (HV // H)).
         g: [B, T, HV, K] log decay (<= 0), or the raw gate when ``use_gate_in_kernel``.
         beta: [B, T, HV] write strength, or its logits when ``use_beta_sigmoid_in_kernel``.
         scale: query scale, default K^-1/2.
-        initial_state: [N, HV, K, V] float32, N = B or the number of packed sequences.
-        output_final_state: also return the final state [N, HV, K, V] float32.
+        initial_state: [N, HV, K, V] float32 ([N, HV, V, K] with ``state_v_first``), N = B or the number of
+            packed sequences.
+        output_final_state: also return the final state (float32, the same layout).
         use_qk_l2norm_in_kernel: l2-normalise q and k per head first.
-        use_gate_in_kernel: ``g <- fused_kda_gate(g, A_log, dt_bias, lower_bound)``.
+        use_gate_in_kernel: ``g <- fused_kda_gate(g, A_log, dt_bias, lower_bound)``; ``A_log=None`` with
+            ``lower_bound`` means ``lower_bound * sigmoid(g + dt_bias)``.
         use_beta_sigmoid_in_kernel: ``beta <- sigmoid(beta)`` (``2 * sigmoid`` with ``allow_neg_eigval``).
+        safe_gate, disable_recompute, cu_seqlens_cpu: accepted with fla's meaning; they change nothing here
+            (:mod:`kimi_linear.ops.compat` says why).
+        return_intermediate_states: also return the state at the start of every chunk, [B, NT, HV, K, V] in q's
+            dtype (NT chunks per sequence; with ``cu_seqlens`` B = 1 and NT counts every sequence's chunks), for
+            inference (no gradient). Runs the PyTorch path.
+        state_v_first: states in and out are ``[.., V, K]``.
         cu_seqlens: [N+1] int offsets of packed sequences (B must be 1), one state per sequence.
+        chunk_size: 64 (the only one).
 
-    Returns ``(o, final_state)``: o [B, T, HV, V] in q's dtype; final_state or None.
+    Returns ``(o, final_state)`` (or ``(o, final_state, h)``): o [B, T, HV, V] in q's dtype; final_state or None.
     """
+    check_chunk_size(chunk_size)
+    check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
+    initial_state = k_first(initial_state, state_v_first)
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = shape.K ** -0.5 if scale is None else scale
+    A_log, dt_bias, lower_bound = gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, shape.HV,
+                                              q.device)
     opts = KernelOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                          A_log, dt_bias, lower_bound)
     fast = triton_op("chunk_kda", q)
-    if fast is not None:
-        return fast(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                    cu_seqlens=cu_seqlens, **opts.kwargs())
+    if fast is not None and not return_intermediate_states:
+        o, final = fast(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, **opts.kwargs())
+        return o, v_first(final, state_v_first)
     out_dtype = q.dtype
     q, k, g, beta = opts.apply(q, k, g, beta)
-    o, final = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens)
-    return o.to(out_dtype), (final.float() if output_final_state else None)
+    o, final, starts = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens)
+    final = v_first(final.float(), state_v_first) if output_final_state else None
+    if not return_intermediate_states:
+        return o.to(out_dtype), final
+    return o.to(out_dtype), final, v_first(chunk_starts(starts, shape, cu_seqlens).to(out_dtype), state_v_first)
+
+
+def chunk_starts(starts: torch.Tensor, shape: KDAShape, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Per-chunk start states [N, HV, NC, K, V] (every sequence padded to NC chunks) in fla's layout: [B, NC, HV,
+    K, V], or [1, NT, HV, K, V] with each packed sequence's own ceil(len / 64) chunks back to back."""
+    h = starts.transpose(1, 2)                                                 # [N, NC, HV, K, V]
+    if cu_seqlens is None:
+        return h
+    n_chunks = [-(-n // CHUNK_SIZE) for n in cu_seqlens.diff().tolist()]
+    return torch.cat([h[i, :c] for i, c in enumerate(n_chunks)])[None]
 
 
 def chunk_gated_delta_rule(

@@ -20,28 +20,31 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
 
 def fused_kda_gate(
     g: torch.Tensor,
-    A_log: torch.Tensor,
+    A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    output_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Log-space per-channel decay from the raw gate projection, in float32.
+    """Log-space per-channel decay from the raw gate projection (fla-core 0.6's signature), computed in float32
+    and returned in ``output_dtype``.
 
     g: [..., HV, K] raw gate; A_log: HV values; dt_bias: HV*K values or None.
     Without ``lower_bound``:  ``-exp(A_log[h]) * softplus(g + dt_bias[h])``  (every entry <= 0).
     With ``lower_bound`` (K3: -5): ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))``, so one step
-    decays by at most ``exp(lower_bound)``.
+    decays by at most ``exp(lower_bound)``; ``A_log=None`` then means ``lower_bound * sigmoid(g + dt_bias[h])``.
     """
     if g.ndim < 2:
         raise ValueError(f"`g` must be [..., HV, K], got shape {tuple(g.shape)}")
     HV, K = g.shape[-2:]
+    if A_log is None and lower_bound is not None:
+        A_log = torch.zeros(HV, dtype=torch.float32, device=g.device)
     check_gate_params(HV, K, A_log, dt_bias, lower_bound)
     x = as_float32(g)
     if dt_bias is not None:
         x = x + as_float32(dt_bias).reshape(HV, K)
     a = as_float32(A_log).reshape(HV, 1).exp()
-    if lower_bound is None:
-        return -a * F.softplus(x)
-    return lower_bound * torch.sigmoid(a * x)
+    out = -a * F.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(a * x)
+    return out if output_dtype == torch.float32 else out.to(output_dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from .backend import triton_op
 from .checks import check_kda_inputs
 from .chunk import compute_dtype
+from .compat import gate_params, k_first, v_first
 from .gate import L2NORM_EPS, KernelOptions, as_float32, fused_kda_gate
 from .layout import SequenceLayout, expand_heads
 
@@ -71,28 +72,117 @@ def fused_recurrent_kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
     allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
     state_indices: torch.Tensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    inplace_final_state: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA one token at a time: the decode path. Same contract as :func:`~kimi_linear.ops.chunk_kda`, plus:
+    """KDA one token at a time: the decode path. fla-core 0.6's signature; the options mean what they mean for
+    :func:`~kimi_linear.ops.chunk_kda` (``state_v_first``: states ``[.., V, K]``), plus:
 
     state_indices: [N] int. When given, ``initial_state`` is a state pool ``[num_slots, HV, K, V]`` float32;
         sequence n starts from row ``state_indices[n]`` and its final state is written back into that row in
         place. Rows not named are not touched. The returned final state is then the pool itself (or None).
+    ssm_state_indices, num_accepted_tokens, inplace_final_state: vLLM's continuous batching with speculative
+        decoding over a pool (``initial_state``): sequence n starts from row ``ssm_state_indices[n, a]``, a =
+        ``num_accepted_tokens[n] - 1`` (0 without it), and the state after its token t is stored in row
+        ``ssm_state_indices[n, t]`` (1-D indices: one token per sequence, row ``ssm_state_indices[n]``). With
+        ``inplace_final_state=False`` the pool is not written and the final states come back as [N, HV, K, V].
+    out: a tensor [B, T, HV, V] to write the output into (returned).
     """
+    if ssm_state_indices is not None:
+        o, final = _continuous_batching(
+            q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
+            inplace_final_state is not False, state_v_first, cu_seqlens,
+            dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound))
+    else:
+        if inplace_final_state or num_accepted_tokens is not None:
+            raise ValueError("`inplace_final_state` and `num_accepted_tokens` need `ssm_state_indices`")
+        state = k_first(initial_state, state_v_first)
+        o, final = _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, state, output_final_state,
+                              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                              allow_neg_eigval, lower_bound, cu_seqlens, state_indices)
+        if state_indices is not None and state_v_first and initial_state is not None:
+            # the rows were updated in a [K, V] copy of the pool: put them back into the V-first pool
+            initial_state.transpose(-1, -2)[state_indices] = state[state_indices]
+            final = initial_state if output_final_state else None
+        else:
+            final = v_first(final, state_v_first)
+    if out is not None:
+        if out.shape != v.shape:
+            raise ValueError(f"`out` must have v's shape {tuple(v.shape)}, got {tuple(out.shape)}")
+        out.copy_(o)
+        o = out
+    return o, final
+
+
+def _continuous_batching(q, k, v, g, beta, scale, pool, indices, num_accepted, inplace, state_v_first, cu_seqlens,
+                         options) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_recurrent_kda` with ``ssm_state_indices``: token by token over all sequences at once (a
+    speculative step has a handful of tokens), each token's state stored in its row."""
+    if pool is None:
+        raise ValueError("`ssm_state_indices` needs `initial_state`: the state pool")
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        N, lens, starts = B, [T] * B, [n * T for n in range(B)]
+    else:
+        cs = cu_seqlens.tolist()
+        N, lens, starts = len(cs) - 1, [b - a for a, b in zip(cs[:-1], cs[1:])], cs[:-1]
+    if indices.ndim not in (1, 2) or indices.shape[0] != N:
+        raise ValueError(f"`ssm_state_indices` must be [N={N}] or [N={N}, T], got shape {tuple(indices.shape)}")
+    if indices.ndim == 1:
+        if max(lens, default=0) > 1:
+            raise ValueError("1-D `ssm_state_indices` hold one row per sequence: one token each; pass [N, T] for "
+                             "more")
+        indices = indices[:, None]
+    if max(lens, default=0) > indices.shape[1]:
+        raise ValueError(f"`ssm_state_indices` has {indices.shape[1]} columns for sequences of up to "
+                         f"{max(lens)} tokens")
+    rows = pool.transpose(-1, -2) if state_v_first else pool                 # [S, HV, K, V] view
+    first = (num_accepted.long() - 1) if num_accepted is not None else torch.zeros(N, dtype=torch.long,
+                                                                                  device=q.device)
+    S = rows[indices.gather(1, first.to(indices.device)[:, None])[:, 0].long()].float()
+    flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o = torch.empty_like(v).reshape(B * T, *v.shape[2:])
+    for t in range(max(lens, default=0)):
+        act = [n for n in range(N) if lens[n] > t]
+        act_t = torch.tensor(act, device=q.device)
+        pos = torch.tensor([starts[n] + t for n in act], device=q.device)
+        o_t, S_t = _recurrent(*(x[pos][:, None] for x in flat), options["A_log"], options["dt_bias"], scale,
+                              S[act_t], True, options["use_qk_l2norm_in_kernel"], options["use_gate_in_kernel"],
+                              options["use_beta_sigmoid_in_kernel"], options["allow_neg_eigval"],
+                              options["lower_bound"], None, None)
+        o[pos] = o_t[:, 0]
+        S[act_t] = S_t
+        if inplace:
+            rows[indices[act_t, t].long()] = S_t.to(pool.dtype)
+    return o.view_as(v), (pool if inplace else v_first(S, state_v_first))
+
+
+def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens,
+               state_indices) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence on states in our [K, V] layout (the body of :func:`fused_recurrent_kda`)."""
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_indices=state_indices)
     s = shape
     scale = s.K ** -0.5 if scale is None else scale
+    A_log, dt_bias, lower_bound = gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, s.HV, q.device)
     opts = KernelOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                          A_log, dt_bias, lower_bound)
     fast = triton_op("fused_recurrent_kda", q)

@@ -82,7 +82,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             B, T, H, K = q.shape
             N = B if cu_seqlens is None else cu_seqlens.numel() - 1
             shape = KDAShape(B=B, T=T, H=H, HV=v.shape[2], K=K, V=v.shape[3], N=N)
-            o, ht = delta_rule_chunked(qq, kk, leaves[2], gg, bb, shape, ctx.scale, leaves[5], cu_seqlens)
+            o, ht, _ = delta_rule_chunked(qq, kk, leaves[2], gg, bb, shape, ctx.scale, leaves[5], cu_seqlens)
             outs, grads = [o], [do.to(o.dtype)]
             if dht is not None:
                 outs.append(ht)
