@@ -200,6 +200,71 @@ def make(B: int, T: int, h: int | None = None, hv: int | None = None, dtype=torc
     return x
 
 
+# Gate regimes from mild to strong (issue 20): name -> (A_log, dt_bias) draws for HV heads of width D, and whether
+# the gate is K3's lower_bound form. The raw gate g ~ N(0, 1) in every row.
+def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+REGIMES = {
+    "bench (A_log, dt_bias ~ 0.5 N)": (lambda gen, hv, D: (0.5 * torch.randn(hv, generator=gen),
+                                                           0.5 * torch.randn(hv * D, generator=gen)), False),
+    "layer init": (lambda gen, hv, D: (torch.empty(hv).uniform_(1, 16, generator=gen).log(),
+                                       _softplus_inv(torch.empty(hv * D).uniform_(1e-3, 0.1, generator=gen))), False),
+    "strong decay": (lambda gen, hv, D: (torch.empty(hv).uniform_(1, 16, generator=gen).log(),
+                                         0.1 * torch.randn(hv * D, generator=gen)), False),
+    "lower_bound -5, dt_bias ~ 0": (lambda gen, hv, D: (0.5 * torch.randn(hv, generator=gen),
+                                                        0.1 * torch.randn(hv * D, generator=gen)), True),
+    "lower_bound -5, active gates": (lambda gen, hv, D: (0.5 * torch.randn(hv, generator=gen),
+                                                         0.5 * torch.randn(hv * D, generator=gen) - 4.0), True),
+}
+
+
+def make_regime(B: int, T: int, regime: str, seed: int = 0):
+    """``make``'s inputs with the gate parameters of ``regime`` (REGIMES); returns (x, lower_bound flag)."""
+    x = make(B, T, seed=seed)
+    draw, lb = REGIMES[regime]
+    A_log, dt_bias = draw(torch.Generator().manual_seed(seed + 1), x["v"].shape[2], S.D)
+    x["A_log"], x["dt_bias"] = A_log.float().to(S.dev), dt_bias.float().to(S.dev)
+    return x, lb
+
+
+def mean_log_decay(x, lb: bool) -> float:
+    """Mean per-step log decay of the regime's gate (what makes a chunk strong or mild)."""
+    g = kops.fused_kda_gate(x["g"].float(), x["A_log"], x["dt_bias"], -5.0 if lb else None)
+    return float(g.mean())
+
+
+def bench_regimes(bw: float, tf: float, fla_chunk, backward: bool) -> None:
+    """Forward (and forward+backward) of every gate regime at both shapes beside fla; the worst ratio last."""
+    worst = None
+    for B, T in S.shapes:
+        for regime in REGIMES:
+            if over_budget():
+                say(f"  regimes: {B}x{T} {regime} skipped (over the time budget)")
+                continue
+            x, lb = make_regime(B, T, regime)
+            what = f"{B}x{T} {regime} (mean log decay {mean_log_decay(x, lb):.2f})"
+            ms = median_ms(lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))
+            fla_ms = None
+            if fla_chunk is not None:
+                fla_ms = median_ms(lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))
+            row(f"regime fwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
+            if fla_ms is not None and (worst is None or fla_ms / ms < worst[0]):
+                worst = (fla_ms / ms, f"fwd {what}")
+            if backward:
+                ms = median_ms(fwd_bwd_runner(
+                    lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=200)
+                fla_ms = None
+                if fla_chunk is not None:
+                    fla_ms = median_ms(fwd_bwd_runner(
+                        lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x), rep=200)
+                row(f"regime fwd+bwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True))
+            save()
+    if worst is not None:
+        say(f"  worst regime: {worst[1]} at {worst[0]:.2f}x fla")
+
+
 def opts(x, lb: bool) -> dict:
     return dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0 if lb else None)
@@ -786,6 +851,9 @@ def main() -> int:
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
     p.add_argument("--profile", action="store_true", help="per-kernel times and the chunk variants")
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
+    p.add_argument("--regimes", action="store_true",
+                   help="time every gate regime (mild to strong, softplus and lower_bound) at both shapes beside "
+                        "fla and report the worst ratio")
     p.add_argument("--no-decode", action="store_true", help="skip the decode checks and rows")
     p.add_argument("--only", nargs="+", metavar="STEP", default=None,
                    help="run just the steps named, or whose names contain one of these words, whatever the other "
@@ -820,7 +888,7 @@ def main() -> int:
     if not a.smoke and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --smoke)")
         return 2
-    bench = a.bench or not (a.check or a.profile or a.sweep)
+    bench = a.bench or not (a.check or a.profile or a.sweep or a.regimes)
     import triton
     dev = torch.cuda.get_device_name() if S.dev == "cuda" else "CPU (interpreter)"
     say(f"{time.strftime('%Y-%m-%d')} {dev} torch {torch.__version__} triton {triton.__version__} "
@@ -845,6 +913,8 @@ def main() -> int:
     # last of the chunk steps: fla's autotuned backward kernels take minutes to compile
     steps += [("bench chunk forward+backward", bench and not a.no_backward,
                lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
+    steps += [("bench gate regimes", a.regimes,
+               lambda: bench_regimes(*need_ceilings(), fla_chunk, not a.no_backward))]
     steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
     steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]
