@@ -680,7 +680,7 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
 SWEEP_FWD = [dict()]
 # Launches with fewer than 4 warps faulted once (LaunchConfig.__post_init__): these rows run after everything else.
 SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
-SWEEP_BWD = [dict(), dict(bwd_intra_separable=False)]
+SWEEP_BWD = [dict(), dict(bwd_intra_bk=64, bwd_intra_warps=4)]
 
 
 def sweep_configs(fla_chunk, case: str = "") -> None:

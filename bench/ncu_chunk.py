@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--backward", action="store_true",
                     help="ours: the pipeline backward (recomputing every forward piece)")
     ap.add_argument("--config", default="{}",
-                    help="LaunchConfig fields as JSON, e.g. '{\"wy_batched_inverse\": false}'")
+                    help="LaunchConfig fields as JSON, e.g. '{\"wy_tma\": false}'")
     a = ap.parse_args()
     cfg = replace(DEFAULT_CONFIG, **json.loads(a.config))
     H, D = 32, 128

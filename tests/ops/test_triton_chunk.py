@@ -69,34 +69,26 @@ def test_extreme_gates_and_lengths(T):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(S, S_ref) < 1e-4
 
 
-@pytest.mark.parametrize("halves", ["off", "own"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_separable_and_sub_block_score_paths_side_by_side(dtype, halves):
-    """Head 0 decays by about 3 a step (96 over 32 rows: not separable, so the scores go by sub-blocks with the
-    product diagonal, or with ``scores_halves`` by halves); head 1 by about 0.5 (separable: one product per
-    channel step)."""
+def test_separable_and_sub_block_score_paths_side_by_side(dtype):
+    """Head 0 decays by about 3 a step (96 over 32 rows: not separable, so the scores go by halves for bf16 and by
+    sub-blocks with the product diagonal for float32); head 1 by about 0.5 (separable: one product per channel
+    step)."""
     x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=39)
     g = x["g"].double()
     g[:, :, 0] = -3.0 + 0.1 * torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     x["g"] = g.to(dtype)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
-                         NO_OPTIONS, None, cfg=LaunchConfig(scores_halves=halves))
+                         NO_OPTIONS, None)
     o_ref, S_ref = reference(x, KernelOptions())
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
-WY_VARIANTS = {"per-block inverse": LaunchConfig(wy_batched_inverse=False),
-               "split, 1 warp, per block": LaunchConfig(wy_split=True, inv_warps=1, wy_batched_inverse=False),
-               "split, 2 warps": LaunchConfig(wy_split=True, inv_warps=2)}
-
-
-@pytest.mark.parametrize("variant", list(WY_VARIANTS))
 @pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 options", "repeated keys, no decay"])
-def test_inverse_variants(case, variant):
-    """``wy_batched_inverse=False``: the four diagonal 16x16 inverses one after another (the default batches them,
-    tested everywhere else); ``wy_split``: the inverse in a launch of its own (with ``inv_warps`` warps), the WY
-    products in a second."""
-    cfg, cu, opts = WY_VARIANTS[variant], None, NO_OPTIONS
+def test_inverse_hard_cases(case):
+    """The chunk inverse (four diagonal 16x16 blocks in one batched substitution, then the off-diagonal blocks) on
+    the inputs that stress it."""
+    cu, opts = None, NO_OPTIONS
     if case == "extreme gates":
         x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=40)
         bar = 1e-4
@@ -114,14 +106,14 @@ def test_inverse_variants(case, variant):
         opts = KernelOptions(True, True, True, False, torch.randn(2), torch.randn(2 * 32), None)
         bar = 5e-3
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"],
-                         True, opts, cu, cfg=cfg)
+                         True, opts, cu)
     o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
 
 
 def lopsided_gates(x, T):
     """Value head 0 falls by 2.8 a step in the first half of each chunk and 0.5 in the second (about 90 then 16:
-    separable around each channel's midpoint, not around row 31); head 1 as drawn."""
+    not separable around row 31); head 1 as drawn."""
     g = x["g"].double()
     steep = (torch.arange(T) % 64) < 32
     g[:, :, 0] = torch.where(steep[:, None], -2.8, -0.5).to(g.dtype)
@@ -130,15 +122,13 @@ def lopsided_gates(x, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_midpoint_separable_scores(dtype):
-    """``LaunchConfig(scores_midpoint=True)``: more chunks take the one-product path; same numbers as the
-    reference either way."""
+def test_lopsided_chunks(dtype):
+    """Chunks whose gate falls steeply in one half and gently in the other, beside ordinary ones."""
     x = lopsided_gates(make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=42), 130)
-    for cfg in (LaunchConfig(), LaunchConfig(scores_midpoint=True)):
-        o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
-                             NO_OPTIONS, None, cfg=cfg)
-        o_ref, S_ref = reference(x, NO_OPTIONS)
-        assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
+                         NO_OPTIONS, None)
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
 def test_varlen_with_empty_and_length_one_sequences():
@@ -159,8 +149,7 @@ def test_no_initial_state_no_final_state_odd_widths():
 
 
 @pytest.mark.parametrize("field, value", [("scores_warps", 2), ("o_warps", 1), ("store", "half"),
-                                          ("bwd_intra_prec", "bf16"), ("inv_warps", 3),
-                                          ("scores_halves", True)])
+                                          ("bwd_intra_prec", "bf16")])
 def test_launch_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
         LaunchConfig(**{field: value})
@@ -180,15 +169,13 @@ def test_public_op_reads_the_module_default_config_at_call_time(monkeypatch):
                                                 cfg=LaunchConfig(store="float32"))[0])
 
 
-@pytest.mark.parametrize("halves", ["own", "merged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["three paths", "extreme gates"])
-def test_scores_by_halves(case, dtype, halves):
-    """``LaunchConfig(scores_halves=...)``, in a launch of its own or beside the sub-block scheme: value head 0
-    decays by about 3 a step (48 per sub-block: not separable as a chunk, bounded per sub-block, so the
-    three-product path), head 1 by about 0.5 (separable), head 2 by about 6 (96 per sub-block: the sub-block
-    scheme); "extreme gates": -1000 and 0 steps (sub-block scheme) beside ordinary chunks. Same numbers as the
-    reference either way, every chunk written once (NaN poison)."""
+def test_scores_by_halves(case, dtype):
+    """The three score paths side by side: value head 0 decays by about 3 a step (48 per sub-block: not separable
+    as a chunk, bounded per sub-block, so the three-product path for bf16), head 1 by about 0.5 (separable), head
+    2 by about 6 (96 per sub-block: the sub-block scheme); "extreme gates": -1000 and 0 steps (sub-block scheme)
+    beside ordinary chunks. Same numbers as the reference, every chunk written once (NaN poison)."""
     if case == "three paths":
         x = make_inputs(B=1, T=130, H=1, HV=3, K=32, V=16, dtype=dtype, seed=44)
         g = x["g"].double()
@@ -201,7 +188,7 @@ def test_scores_by_halves(case, dtype, halves):
         x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, strong_decay=True, dtype=dtype, seed=45)
         bar = 1e-4 if dtype == torch.float32 else 5e-3
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
-                         NO_OPTIONS, None, cfg=LaunchConfig(scores_halves=halves))
+                         NO_OPTIONS, None)
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
 
@@ -226,12 +213,10 @@ def test_l2norm_factors_from_scores_or_prepare(dtype, norms_in_scores):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
-@pytest.mark.parametrize("cfg", [dict(wy_prec="bf16"), dict(wy_prec="bf16x2"), dict(wy_prec="bf16x3"),
-                                 dict(wy_stages=1)], ids=str)
-def test_wy_product_options(cfg):
-    """The opt-in WY product variants (bf16 operands as fla's w / u, the inverse in two bf16 parts, both split
-    into three products, no pipelining) against the reference at the bf16 bar, with a length that is
-    not a multiple of the chunk and K not a multiple of the channel step."""
+@pytest.mark.parametrize("cfg", [dict(), dict(wy_stages=1)], ids=str)
+def test_wy_products_odd_widths(cfg):
+    """The WY products (pipelined, and not) against the reference at the bf16 bar, with a length that is not a
+    multiple of the chunk and K not a multiple of the channel step."""
     x = make_inputs(B=2, T=70, H=1, HV=2, K=80, V=48, dtype=torch.bfloat16, seed=47)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 80 ** -0.5, x["initial_state"], True,
                          NO_OPTIONS, None, cfg=LaunchConfig(**cfg))
@@ -254,14 +239,3 @@ def test_tensor_descriptor_tiles(cfg, dtype):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
     o_ptr, _ = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_tma=False))
     assert torch.equal(o, o_ptr)
-
-
-def test_wy_bf16x3_is_as_accurate_as_tf32():
-    """Split operands and inverse (three bf16 products) keep the WY factors at least as close to the reference as
-    tf32 products, where one bf16 product (fla's choice) roughly doubles the error of the output."""
-    x = make_inputs(B=1, T=128, H=1, HV=1, K=64, V=64, dtype=torch.bfloat16, seed=49)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True, NO_OPTIONS, None)
-    o_ref = reference(x, NO_OPTIONS)[0]
-    err = {p: rel_err(chunk_kda_fwd(*args, cfg=LaunchConfig(wy_prec=p, store="float32"))[0], o_ref)
-           for p in ("tf32", "bf16", "bf16x3")}
-    assert err["bf16x3"] <= 1.1 * err["tf32"] < err["bf16"]

@@ -120,21 +120,14 @@ def test_pytorch_recompute_fallback(monkeypatch):
     check(x, opts, params)
 
 
-@pytest.mark.parametrize("separable, midpoint", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("case", ["float32 GVA", "mixed paths float32", "bf16 options", "extreme gates",
                                   "varlen bf16", "lopsided float32"])
-def test_score_gradient_paths(case, separable, midpoint, monkeypatch):
-    """``LaunchConfig(bwd_intra_separable=True)`` (the default): the score gradients of separable chunks by one
-    program per chunk, the others by sub-block; with ``scores_midpoint`` in the forward and backward too; and
-    ``False``: every chunk by sub-block. "mixed paths": one value head decays by about 3 a step (not separable),
-    the other by about 0.5; "lopsided": separable only around the midpoint (test_triton_chunk.lopsided_gates)."""
-    import kimi_linear.ops.triton.chunk as tri_chunk
-    from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
-
+def test_score_gradient_paths(case):
+    """The score gradients of separable chunks by one program per chunk, the others by sub-block. "mixed paths":
+    one value head decays by about 3 a step (not separable), the other by about 0.5; "lopsided": steep in one half
+    of each chunk, gentle in the other (test_triton_chunk.lopsided_gates)."""
     from .test_triton_chunk import lopsided_gates
 
-    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(bwd_intra_separable=separable,
-                                                                  scores_midpoint=midpoint))
     if case == "float32 GVA":
         check(make_inputs(B=2, T=40, H=1, HV=2, K=32, V=16, seed=48))
     elif case == "mixed paths float32":

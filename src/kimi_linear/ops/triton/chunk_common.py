@@ -325,23 +325,14 @@ def earlier_factor(b_P, b_t0, b_t1, b_t2, I, BT: tl.constexpr, BC: tl.constexpr)
 
 
 @triton.jit
-def first_gate(gP, bos, t0, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k):
-    """``G_0`` of the chunk at t0 (its first row's gate, which starts sub-block 0's sum) at channels o_k."""
-    return tl.load(gP + ((bos + t0) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
-
-
-@triton.jit
-def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-                    MIDPOINT: tl.constexpr):
+def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """Whether the chunk at t0 is *separable*: ``exp(G_i - G_j) = exp(D_i) exp(-D_j)`` with ``D = G - R`` and both
     factors normal float32 numbers (|D| < HALF_LIMIT) for every row and channel, so that its scores are one product
     per channel step (chunk_wy.separable_scores; their gradients: chunk_bwd.py). ``R = G_31``: the gate of every
-    channel falls by less than HALF_LIMIT over each 32-row half. ``MIDPOINT``: R is each channel's midpoint
-    ``(G_0 + G_last) / 2``, and the gate may fall by up to 2 HALF_LIMIT over the chunk (after its first row)."""
+    channel falls by less than HALF_LIMIT over each 32-row half. (R at each channel's midpoint, allowing a fall of
+    2 HALF_LIMIT over the chunk, was no faster on the H200: scores 1.58 against 1.59 ms.)"""
     o_k = tl.arange(0, BK)
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
-    if MIDPOINT:
-        return tl.max(first_gate(gP, bos, t0, i_hv, HV, K, o_k) - (b_t0 + b_t1 + b_t2 + b_t3)) < 2.0 * HALF_LIMIT
     return tl.max(tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3))) < HALF_LIMIT
 
 
@@ -358,13 +349,10 @@ def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
 
 @triton.jit
 def separable_exponent(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, s_r, BT: tl.constexpr,
-                       BC: tl.constexpr, MIDPOINT: tl.constexpr):
+                       BC: tl.constexpr):
     """``D = G - R`` (see :func:`chunk_separable`) on the chunk at t0, channels o_k ([BT, len(o_k)]), from the
-    sub-block sums. ``R = G_31``: gP plus tot_2 below sub-block 2; minus tot_1 (and tot_0) above row 32. With
-    ``MIDPOINT``, ``R = (G_0 + G_last) / 2``. ``s_r``: [BT, 1], the sub-block of each row."""
-    if MIDPOINT:
-        b_G, b_unused, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS]
-        return b_G - (0.5 * (first_gate(gP, bos, t0, i_hv, HV, K, o_k) + b_GC))[None, :]
+    sub-block sums. ``R = G_31``: gP plus tot_2 below sub-block 2; minus tot_1 (and tot_0) above row 32.
+    ``s_r``: [BT, 1], the sub-block of each row."""
     # totals first, then the tile: gate_tiles' order (tile first) compiles the separable scores kernel to other
     # machine code (160 registers instead of 168) that has not been checked on the GPU yet
     b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
@@ -414,29 +402,6 @@ def gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr):
     b_G = b_P + b_before
     b_Gs = (b_own - b_P) + b_after
     return b_G, b_Gs, b_t0 + b_t1 + b_t2 + b_t3
-
-
-@triton.jit
-def diagonal_block_inverse(Akk, beta, bos, r0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                           USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """``(I + diag(beta) A)^-1`` of the diagonal [BC, BC] block of Akk at rows (and chunk columns) r0 .. r0 + BC
-    (A strictly lower), by forward substitution: row i of the inverse is ``e_i - beta_i sum_{m < i} A[i, m]
-    (row m)``. Row i of A is loaded from memory where it is used (no reduction to pick it out of a tile). The
-    inverse is built transposed (``b_Tt[:, i]`` = row i), so each step's sum runs along the second axis: inside
-    a warp, where the first axis of a small tile is split across warps (no shared memory, no barrier)."""
-    o_i = tl.arange(0, BC)
-    c0 = r0 % BT                                                           # the block's first column in the chunk
-    b_Tt = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)                # [BC, BC] the inverse, transposed
-    for i in tl.static_range(1, BC):                                       # unrolled: every row's load issued early
-        r = r0 + i
-        m_r = (r + o_i * 0) < T_n                                          # [BC] (a vector: the interpreter wants one)
-        b_a = tl.load(Akk + ((bos + r) * HV + i_hv) * BT + c0 + o_i, mask=(o_i < i) & m_r, other=0.0)   # [BC]
-        # beta_i as a [BC] broadcast (one address: a single transaction)
-        b_b = beta_transform(tl.load(beta + (bos + r) * HV + i_hv + o_i * 0, mask=m_r, other=0.0).to(tl.float32),
-                             USE_BETA_SIGMOID, NEG_EIGVAL)
-        b_row = -b_b * tl.sum(b_Tt * b_a[None, :], 1)                      # [BC] row i (no diagonal yet)
-        b_Tt = tl.where((o_i == i)[None, :], b_row[:, None] + tl.where(o_i == i, 1.0, 0.0)[:, None], b_Tt)
-    return tl.trans(b_Tt)
 
 
 @triton.jit

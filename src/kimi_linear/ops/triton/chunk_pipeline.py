@@ -49,16 +49,11 @@ class LaunchConfig:
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
     scores_stages: int = 3            # software pipelining of its channel loop (1: none); see scores_tma
-    # Separable chunks (chunk_common.chunk_separable) referred to each channel's midpoint: the gate may fall by 160
-    # over a chunk instead of 80 over each half. No faster on the H200 (2026-12-01: scores 1.58 against 1.59 ms)
-    scores_midpoint: bool = False
-    # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 80
-    # (chunk_common.sub_blocks_bounded; 28% of the softplus benchmark's chunks) by three products per channel step
-    # (chunk_wy.halves_scores) instead of the 255-register sub-block scheme: "merged" in the sub-block scheme's
-    # launch, "own" in a launch of their own, "off" not at all. H200, 2026-12-01, scores kernel ms at 16 x 2048
-    # softplus / lower_bound: merged 0.90 / 0.66, own 0.95 / 0.72 (its extra launch only tests when every chunk is
-    # separable), off 1.60 / 0.66
-    scores_halves: str = "merged"
+    # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 80 go through
+    # three products per channel step (chunk_wy.halves_scores) inside the sub-block scheme's launch, for 16-bit
+    # inputs (float32 keeps the sub-block scheme: that launch needs more shared memory than the card has). H200,
+    # 2026-12-01, scores kernel ms at 16 x 2048 softplus / lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without
+    # them and 0.95 / 0.72 in a launch of their own. (Not a setting.)
     # The l2norm row factors rq, rk computed by the scores kernel (chunk_wy.finish_scores: its paths run on raw q, k
     # and scale the [BT, BT] results), so that the prepare kernel reads only the gate, not q and k
     # (H200, 2026-12-01, 16 x 2048: prepare 0.41 -> 0.28 ms softplus, 0.39 -> 0.21 lower_bound; scores +0.08 / +0.07)
@@ -79,18 +74,6 @@ class LaunchConfig:
     # to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound):
     # scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65 lower_bound, outputs bit-identical; the full-size checks pass
     scores_tma: bool = True
-    # The four diagonal 16x16 blocks of the inverse in one [4, 16, 16] substitution (H200, 2026-12-01: WY kernel
-    # 1.75-1.76 ms against 2.10 for four [16, 16] ones in turn, False)
-    wy_batched_inverse: bool = True
-    # The inverse in a launch of its own with inv_warps warps, the WY products in a second. Slower on the H200
-    # (2026-12-01: 2.07 / 2.30 / 3.29 ms for both launches with 4 / 2 / 1 warps, against 2.10 in one)
-    wy_split: bool = False
-    inv_warps: int = 4
-    # The WY products Tm @ (beta k exp(G)) and Tm @ (beta v) for 16-bit inputs (chunk_wy.wy_product): "tf32",
-    # "bf16" (both operands rounded to bf16, as fla's w / u), "bf16x2" (Tm in two bf16 parts) or "bf16x3" (both
-    # split, three products). H200, 2026-12-01, WY kernel: bf16 1.60 and bf16x2 1.65 ms against 1.77, but their
-    # outputs differ from tf32's by as much as tf32's from the reference; bf16x3 not yet timed
-    wy_prec: str = "tf32"
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64)
@@ -115,11 +98,8 @@ class LaunchConfig:
     bwd_intra_warps: int = 2
     bwd_intra_prec: str = "tf32"
     # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
-    # [64, BK] products (chunk_bwd.separable_grads). No faster while every chunk's key blocks ran a pass apart
-    # (2026-12-01, tf32x3: 7.9 ms against 8.05 by sub-blocks, each re-reading dA from DRAM); with grid_order
-    # "heads" (H200, 16 x 2048 lower_bound): 3.32 ms against 5.08, the backward's kernels 10.79 against 12.56; the
-    # full-size gradient checks pass (forward + backward 16.2 / 14.1 ms softplus / lower_bound, fla 19.9 / 16.2)
-    bwd_intra_separable: bool = True
+    # [64, BK] products (chunk_bwd.separable_grads); H200 (16 x 2048 lower_bound, grid_order "heads"): 3.32 ms
+    # against 5.08 by sub-blocks
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
@@ -142,15 +122,8 @@ class LaunchConfig:
             if getattr(self, name) < 4:
                 raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
                                  "faulted on the H200")
-        if self.inv_warps not in (1, 2, 4, 8):
-            raise ValueError(f"LaunchConfig.inv_warps must be 1, 2, 4 or 8, got {self.inv_warps}")
         if self.store not in ("input", "float32"):
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
-        if self.scores_halves not in ("off", "own", "merged"):
-            raise ValueError(f"LaunchConfig.scores_halves must be 'off', 'own' or 'merged', got {self.scores_halves!r}")
-        if self.wy_prec not in ("tf32", "bf16", "bf16x2", "bf16x3"):
-            raise ValueError(f"LaunchConfig.wy_prec must be 'tf32', 'bf16', 'bf16x2' or 'bf16x3', got "
-                             f"{self.wy_prec!r}")
         if self.grid_order not in ("chunks", "blocks", "heads"):
             raise ValueError(f"LaunchConfig.grid_order must be 'chunks', 'blocks' or 'heads', got {self.grid_order!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
@@ -331,7 +304,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-              NEG_EIGVAL=opts.allow_neg_eigval, BATCHED_INVERSE=cfg.wy_batched_inverse, WY_PREC=cfg.wy_prec)
+              NEG_EIGVAL=opts.allow_neg_eigval)
     wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, ORDER=cfg.grid_order, **flags)
@@ -339,20 +312,17 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
         # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
-        halves = {"off": 0, "own": 1, "merged": 2}[cfg.scores_halves] if p.prec == "tf32" else 0
-        paths = [(True, False), (False, True)] if halves == 1 else [(True, False)]
+        halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
-        for separable, halves_path in paths + [(False, False)]:
+        for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, MIDPOINT=cfg.scores_midpoint,
-                HALVES=halves, HALVES_PATH=halves_path, **tiles, NORMS=norms and cfg.norms_in_scores,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
+                NORMS=norms and cfg.norms_in_scores,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
-    if cfg.wy_split and kept is None:
-        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=1, num_warps=cfg.inv_warps, **wy, **shared)
-    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse in memory
-    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if cfg.wy_split or kept is not None else 0,
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
+    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
     h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
@@ -477,14 +447,13 @@ def chunk_kda_bwd_pipeline(
     BKi = min(cfg.bwd_intra_bk, p.BK)
     intra = dict(q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p,
                  dg_p=dg_p, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, BKA=p.BK, **flags,
-                 PREC=p.prec_exact, MIDPOINT=cfg.scores_midpoint, ORDER=cfg.grid_order,
+                 PREC=p.prec_exact, ORDER=cfg.grid_order,
                  num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
-    if cfg.bwd_intra_separable:
-        BKs = min(cfg.bwd_sep_bk, p.BK)
-        chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
-            PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
-    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](
-        PATH=2 if cfg.bwd_intra_separable else 0, **intra)
+    BKs = min(cfg.bwd_sep_bk, p.BK)
+    # separable chunks whole (PATH 1), then the others by sub-blocks (PATH 2)
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
+        PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None

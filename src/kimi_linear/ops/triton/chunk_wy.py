@@ -30,11 +30,9 @@ import triton.language as tl
 from .chunk_common import (
     SAFE_EXP,
     block_of,
-    cast,
     chunk_coords,
     chunk_gate_terms,
     chunk_separable,
-    diagonal_block_inverse,
     diagonal_block_inverses,
     fast_exp,
     gate_terms,
@@ -167,14 +165,14 @@ def chunk_scores(
 def separable_scores(
     q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, MIDPOINT: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
     ``D_i = G_i - R`` (chunk_common.separable_exponent), ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel
     step is one product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs
     (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. ``TMA``
-    (LaunchConfig.scores_tma, not with ``MIDPOINT``): the q, k and gP tiles through the descriptors ``d_*``
+    (LaunchConfig.scores_tma): the q, k and gP tiles through the descriptors ``d_*``
     (:func:`chunk_tile`)."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
@@ -188,7 +186,7 @@ def separable_scores(
             b_D = separable_offset(chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA),
                                    b_t0, b_t1, b_t2, s_r)                  # [BT, BKS]
         else:
-            b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC, MIDPOINT)   # [BT, BKS]
+            b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC)   # [BT, BKS]
         b_er = fast_exp(b_D)                                               # [BT, BKS]
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
@@ -254,40 +252,34 @@ def chunk_kda_fwd_scores_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    SEPARABLE: tl.constexpr, MIDPOINT: tl.constexpr, HALVES: tl.constexpr, HALVES_PATH: tl.constexpr,
-    NORMS: tl.constexpr,
+    SEPARABLE: tl.constexpr, HALVES: tl.constexpr, NORMS: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
     ORDER: tl.constexpr,
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
-    (the separable one in 168 registers a thread, the other near 255). ``HALVES`` (LaunchConfig.scores_halves):
-    0, the others all by the sub-block scheme; 1, those that chunk_common.sub_blocks_bounded accepts by
-    :func:`halves_scores` in a launch of their own (``HALVES_PATH``); 2, by halves_scores in the sub-block
-    scheme's launch (no third launch, but halves_scores compiled beside the 255-register path)."""
+    (the separable one in 168 registers a thread, the other near 255). ``HALVES``: of the others, those that
+    chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
+    255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
+    rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
     i_c, _, i_hv = grid_coords(1, HV, ORDER)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
     L2: tl.constexpr = USE_QK_L2NORM and not NORMS                        # the paths read rq, rk from memory
-    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, MIDPOINT)
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
     if SEPARABLE:
         if sep:
             b_aq, b_ak = separable_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                                          L2, PREC, MIDPOINT, d_q, d_k, d_gP, TMA and not MIDPOINT)
+                                          L2, PREC, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
-    elif HALVES_PATH:
-        if not sep:
-            if sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC):
-                b_aq, b_ak = halves_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
-                finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
     elif not sep:
         bounded = False
-        if HALVES != 0:
+        if HALVES:
             bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-        if HALVES == 2 and bounded:
+        if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
-        elif not bounded:
+        else:
             b_aq, b_ak = chunk_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
 
@@ -319,7 +311,7 @@ def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_
 @triton.jit
 def inverse_blocks(
     beta, Akk, Tm, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, BATCHED: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
 ):
     """``Tm = (I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, by 16x16 blocks, stored
     (all [BT, BT])."""
@@ -330,20 +322,13 @@ def inverse_blocks(
     b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
     b_b2 = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b3 = load_beta(beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    if BATCHED:                           # the four diagonal blocks in one [4, BC, BC] substitution
-        b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-        b_T00 = block_of(b_T, 0)                                          # [BC, BC]
-        b_T11 = block_of(b_T, 1)
-        b_T22 = block_of(b_T, 2)
-        b_T33 = block_of(b_T, 3)
-    else:                                 # four [BC, BC] substitutions with warp-local sums
-        b_T00 = diagonal_block_inverse(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-        b_T11 = diagonal_block_inverse(Akk, beta, bos, t0 + BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
-                                       NEG_EIGVAL)
-        b_T22 = diagonal_block_inverse(Akk, beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
-                                       NEG_EIGVAL)
-        b_T33 = diagonal_block_inverse(Akk, beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID,
-                                       NEG_EIGVAL)
+    # The four diagonal blocks in one [4, BC, BC] substitution (H200: WY kernel 1.75 ms against 2.10 for four
+    # [BC, BC] ones in turn)
+    b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_T00 = block_of(b_T, 0)                                              # [BC, BC]
+    b_T11 = block_of(b_T, 1)
+    b_T22 = block_of(b_T, 2)
+    b_T33 = block_of(b_T, 3)
     b_A10 = load_A_block(Akk, b_b1, bos, t0, 1, 0, T_n, i_hv, HV, BT, BC)                        # [BC, BC]
     b_A20 = load_A_block(Akk, b_b2, bos, t0, 2, 0, T_n, i_hv, HV, BT, BC)
     b_A21 = load_A_block(Akk, b_b2, bos, t0, 2, 1, T_n, i_hv, HV, BT, BC)
@@ -378,36 +363,18 @@ def inverse_blocks(
 
 
 @triton.jit
-def wy_product(b_Th, b_Tl, b_x, PREC: tl.constexpr, WY_PREC: tl.constexpr):
-    """``Tm @ b_x`` ([BT, BT] x [BT, BKS] -> [BT, BKS] float32) for the WY factors, with ``b_Th`` (and ``b_Tl``)
-    from :func:`wy_inverse_operands`. ``WY_PREC`` "tf32": tf32 operands (``PREC``); "bf16": both in bf16, as fla's
-    w / u products; "bf16x2": the inverse split into bf16 high and low parts, so only ``b_x`` is rounded to
-    bf16 (two products); "bf16x3": both split, three products (hi hi, lo hi, hi lo: about 16 bits of mantissa,
-    more than tf32's 10). float32 inputs (``PREC`` "ieee") are always exact."""
-    if WY_PREC == "tf32" or PREC != "tf32":
-        b_y = mm_rounded(b_Th, tf32_operand(b_x, PREC), tl.zeros_like(b_x), PREC)
-    else:
-        b_xh = cast(b_x, tl.bfloat16)
-        b_y = mm(b_Th, b_xh, PREC)
-        if WY_PREC != "bf16":
-            b_y += mm(b_Tl, b_xh, PREC)
-        if WY_PREC == "bf16x3":
-            b_y += mm(b_Th, cast(b_x - b_xh.to(tl.float32), tl.bfloat16), PREC)
-    return b_y
+def wy_product(b_Th, b_x, PREC: tl.constexpr):
+    """``Tm @ b_x`` ([BT, BT] x [BT, BKS] -> [BT, BKS] float32) for the WY factors, with ``b_Th`` from
+    :func:`wy_inverse_operand`: tf32 operands for 16-bit inputs (``PREC`` "tf32"; one bf16 product as fla's w / u
+    measured 0.16 ms faster on the H200 but doubled the output's error), exact for float32 (``PREC`` "ieee")."""
+    return mm_rounded(b_Th, tf32_operand(b_x, PREC), tl.zeros_like(b_x), PREC)
 
 
 @triton.jit
-def wy_inverse_operands(b_T, PREC: tl.constexpr, WY_PREC: tl.constexpr):
-    """The inverse ([BT, BT] float32) as :func:`wy_product` takes it: (high, low) parts; the low part is only
-    used by "bf16x2" and "bf16x3"."""
-    if WY_PREC == "tf32" or PREC != "tf32":
-        # rounded to tf32 once for the eight products (mm would round it again for each)
-        b_Th = tf32_operand(b_T, PREC)
-        b_Tl = b_Th
-    else:
-        b_Th = cast(b_T, tl.bfloat16)
-        b_Tl = cast(b_T - b_Th.to(tl.float32), tl.bfloat16)
-    return b_Th, b_Tl
+def wy_inverse_operand(b_T, PREC: tl.constexpr):
+    """The inverse ([BT, BT] float32) rounded to tf32 once for the eight products (mm would round it again for
+    each)."""
+    return tf32_operand(b_T, PREC)
 
 
 @triton.jit
@@ -432,12 +399,12 @@ def wy_products(
     q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, WY_PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
     key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
     through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
-    b_Th, b_Tl = wy_inverse_operands(b_T, PREC, WY_PREC)                   # [BT, BT] x2
+    b_Th = wy_inverse_operand(b_T, PREC)                                     # [BT, BT]
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
@@ -451,7 +418,7 @@ def wy_products(
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
-        b_w = wy_product(b_Th, b_Tl, b_k * b_eG * b_beta[:, None], PREC, WY_PREC)
+        b_w = wy_product(b_Th, b_k * b_eG * b_beta[:, None], PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
@@ -459,7 +426,7 @@ def wy_products(
     for c0 in range(0, V, BV):
         o_v = c0 + tl.arange(0, BV)
         b_v = chunk_tile(v, d_v, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA).to(tl.float32) * b_beta[:, None]
-        b_u = wy_product(b_Th, b_Tl, b_v, PREC, WY_PREC)
+        b_u = wy_product(b_Th, b_v, PREC)
         store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
 
 
@@ -472,24 +439,20 @@ def chunk_kda_fwd_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, BATCHED_INVERSE: tl.constexpr, STAGE: tl.constexpr,
-    WY_PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr,
     d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
     ORDER: tl.constexpr,
 ):
-    """The inverse (``STAGE`` 0 or 1) and the WY factors (``STAGE`` 0 or 2): one kernel by default, or two launches
-    (``LaunchConfig(wy_split=True)``), so that the inverse's [16, 16] work can run with fewer warps; ``STAGE`` 2
-    alone: the WY factors from an inverse kept from the forward (the backward's recomputation)."""
+    """The inverse and the WY factors of a chunk (``STAGE`` 0), or the WY factors alone from an inverse kept from
+    the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV, ORDER)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if STAGE != 2:
-        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, BATCHED_INVERSE)
     if STAGE == 0:
+        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
         # The same program reads the inverse back as one tile: make every thread's stores visible first.
         tl.debug_barrier()
-    if STAGE != 1:
-        b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
-        wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
-                    H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, WY_PREC,
-                    d_q, d_k, d_v, d_gP, TMA)
+    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+                H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
+                d_q, d_k, d_v, d_gP, TMA)
