@@ -866,6 +866,8 @@ def main() -> int:
                    help="the sweep's inputs: a shape 'BxT' (default: the first benchmark shape) and/or 'lb' for the "
                         "lower_bound gate, e.g. '1x32768 lb'")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
+    p.add_argument("--head-dim", type=int, default=0,
+                   help="K = V of every shape (default 128; e.g. 256 with --offline-sm90 for its shared memory)")
     p.add_argument("--sass-dir", default="", help="with --offline-sm90: write each kernel's SASS here (NAME.N.sass)")
     p.add_argument("--kernel", default="", help="with --offline-sm90: only kernels whose name contains this")
     p.add_argument("--no-fla", action="store_true", help="leave fla out (no anchor columns; saves its compile time)")
@@ -876,6 +878,8 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
     S, OUT, BUDGET, NO_BACKWARD, NO_FLA = Setup(a.smoke), a.out, a.budget, a.no_backward, a.no_fla
+    if a.head_dim:
+        S.D = a.head_dim
     SASS_DIR, SASS_KERNEL = a.sass_dir, a.kernel
     os.makedirs(OUT, exist_ok=True)
     if a.config:

@@ -212,10 +212,13 @@ class Problem:
         self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
         self.opts, self.cfg = opts, cfg
         wide = self.fills_sms(64)
-        self.h_bv = min(cfg.h_bv or (64 if wide else 32), self.BVmax)
+        big_k = self.K > 128
+        self.h_bv = min(cfg.h_bv or (64 if wide and not big_k else 32), self.BVmax)
         # 3 stages of float32 tiles need 256 KiB of shared memory in the backward scan (the H200 has 227 KiB: GPU
-        # check of 2026-12-01, varlen float32), so float32 intermediates keep 2
-        self.h_stages = cfg.h_stages or (2 if wide or self.sdt == torch.float32 else 3)
+        # check of 2026-12-01, varlen float32), so float32 intermediates keep 2. K = 256 (offline sm_90 build):
+        # the backward scan needs 352 / 242 KiB (bf16, 3 / 2 stages) and 248 KiB (float32, 2), and 64 value
+        # columns spill even with one stage, so wide keys scan 32 columns with one stage (60 / 88 KiB)
+        self.h_stages = cfg.h_stages or (1 if big_k else 2 if wide or self.sdt == torch.float32 else 3)
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
 
     def fills_sms(self, bv: int) -> bool:
