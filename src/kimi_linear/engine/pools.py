@@ -24,10 +24,9 @@ class StatePool:
         self.num_slots = num_slots
         self.scratch: int | None = num_slots if scratch else None
         rows = num_slots + int(scratch)
-        self.conv = [torch.zeros(rows, m.conv_size - 1, 3 * m.num_heads * m.head_dim, dtype=dtype, device=device)
-                     for m in kda_layers]
-        self.rec = [torch.zeros(rows, m.num_heads, m.head_dim, m.head_dim, dtype=torch.float32, device=device)
-                    for m in kda_layers]
+        states = [m.empty_state(rows, dtype, device) for m in kda_layers]     # the layer's own (zero) state
+        self.conv = [st.conv for st in states]
+        self.rec = [st.recurrent for st in states]
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
 
     def _row_bytes(self) -> int:

@@ -81,11 +81,9 @@ class DecodePools:
         rows, blocks = num_slots + 1, num_slots * nb + 1
         table = torch.arange(num_slots * nb, dtype=torch.int32, device=device).view(num_slots, nb)
         table = torch.cat([table, torch.full((1, nb), blocks - 1, dtype=torch.int32, device=device)])
+        states = [m.empty_state(rows, dtype, device) for m in kda]
         return cls(
-            conv=[torch.zeros(rows, m.conv_size - 1, 3 * m.num_heads * m.head_dim, dtype=dtype, device=device)
-                  for m in kda],
-            rec=[torch.zeros(rows, m.num_heads, m.head_dim, m.head_dim, dtype=torch.float32, device=device)
-                 for m in kda],
+            conv=[st.conv for st in states], rec=[st.recurrent for st in states],
             latents=[torch.zeros(blocks, block_size, w, dtype=dtype, device=device) for w in widths],
             block_table=table, block_size=block_size, scratch_slot=num_slots, scratch_block=blocks - 1,
         )
@@ -93,9 +91,6 @@ class DecodePools:
     @property
     def max_tokens(self) -> int:
         return self.block_table.shape[1] * self.block_size
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.conv, *self.rec, *self.latents, self.block_table])
 
 
 def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Tensor, slots: torch.Tensor,
