@@ -57,17 +57,11 @@ class ModelRunner:
         cache = HybridCache([None] * len(self.model.model.layers))  # type: ignore[list-item]
         for k, st in zip(cm.kda_idx, cm.slots.gather([s.slot for s in seqs])):
             cache.layers[k] = st
-        bufs = []
-        for li, w in zip(cm.mla_idx, cm.widths):
-            lc = LatentCache(B, w, dtype, self.device)
-            lc.buf = torch.zeros(B, L + T, w, dtype=dtype, device=self.device)
-            lc.length = L
+        bufs = self._histories(seqs, ps, L + T)
+        for li, buf in zip(cm.mla_idx, bufs):
+            lc = LatentCache(B, buf.shape[-1], dtype, self.device)
+            lc.buf, lc.length = buf, L
             cache.layers[li] = lc
-            bufs.append(lc.buf)
-        for r, s in enumerate(seqs):
-            if ps[r]:
-                for buf, e in zip(bufs, cm.blocks.gather(s.block_table, ps[r])):
-                    buf[r, L - ps[r] : L] = e
         cache.seq_len = L
         if any(p != L for p in ps):
             cache.key_mask = torch.arange(L, device=self.device)[None] >= torch.tensor(
@@ -78,6 +72,18 @@ class ModelRunner:
         for r, s in enumerate(seqs):
             cm.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
         return logits
+
+    def _histories(self, seqs: list[Sequence], ps: list[int], length: int) -> list[torch.Tensor]:
+        """Per MLA layer a zeroed [B, length, width] buffer holding each sequence's ps[r] cached latents
+        left-padded to end at max(ps) (the rest is room for new entries)."""
+        L = max(ps)
+        bufs = [torch.zeros(len(seqs), length, w, dtype=self.model.dtype, device=self.device)
+                for w in self.cache.widths]
+        for r, s in enumerate(seqs):
+            if ps[r]:
+                for buf, e in zip(bufs, self.cache.blocks.gather(s.block_table, ps[r])):
+                    buf[r, L - ps[r] : L] = e
+        return bufs
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
         """Prompt chunks, batched by length -> (sequence, last-position logits [vocab]) in the given order."""
@@ -98,7 +104,7 @@ class ModelRunner:
         ``chunk_kda``; MLA layers attend each sequence over its own past (gathered from its blocks) and its new
         tokens. Returns (sequence, last-position logits [vocab] float32) in the given order; states and latents
         are written back."""
-        cm, dev, dtype = self.cache, self.device, self.model.dtype
+        cm, dev = self.cache, self.device
         seqs = [s for s, _ in chunks]
         Ts = [T for _, T in chunks]
         ps = [s.num_computed for s in seqs]
@@ -113,13 +119,8 @@ class ModelRunner:
         caches: list = [None] * len(self.model.model.layers)
         for j, li in enumerate(cm.kda_idx):
             caches[li] = VarlenKDAState(cm.slots.conv[j], cm.slots.rec[j], index)
-        pasts = [torch.zeros(len(seqs), P, w, dtype=dtype, device=dev) for w in cm.widths]
-        for r, s in enumerate(seqs):
-            if ps[r]:
-                for past, e in zip(pasts, cm.blocks.gather(s.block_table, ps[r])):
-                    past[r, P - ps[r]:] = e                              # left-padded: the past ends at P
         past_len = torch.tensor(ps, device=dev)
-        views = [VarlenLatents(past, past_len, cu) for past in pasts]
+        views = [VarlenLatents(past, past_len, cu) for past in self._histories(seqs, ps, P)]
         for li, view in zip(cm.mla_idx, views):
             caches[li] = view
         m = self.model
