@@ -8,6 +8,8 @@ import torch
 
 from kimi_linear.layers import KDAState
 
+from .paged import DecodeGraphs, DecodePools, decode_step
+
 if TYPE_CHECKING:
     from .modeling import KimiLinearForCausalLM
 
@@ -145,8 +147,6 @@ class _PagedDecoder:
 
     def __init__(self, model: KimiLinearForCausalLM, cache: Any, attention_mask: torch.Tensor | None, B: int,
                  max_tokens: int) -> None:
-        from .paged import DecodeGraphs, DecodePools
-
         self.model = model
         device = model.device
         weights = tuple(p.data_ptr() for p in model.parameters())
@@ -183,8 +183,6 @@ class _PagedDecoder:
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B] -> next logits [B, vocab] float32 (valid until the next step)."""
-        from .paged import decode_step
-
         logits = self.graphs.run_device(ids.long(), self.slots, self.lens)
         if logits is None:          # capturing failed (logged): the same step, eagerly
             logits = decode_step(self.model, self.pools, ids.long(), self.slots, self.lens)
