@@ -104,20 +104,18 @@ def fused_recurrent_kda(
         ``inplace_final_state=False`` the pool is not written and the final states come back as [N, HV, K, V].
     out: a tensor [B, T, HV, V] to write the output into (returned).
     """
+    options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     if ssm_state_indices is not None:
-        o, final = _continuous_batching(
-            q, k, v, g, beta, scale, initial_state, ssm_state_indices, num_accepted_tokens,
-            inplace_final_state is not False, state_v_first, cu_seqlens,
-            dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound))
+        o, final = _continuous_batching(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens,
+                                        inplace_final_state is not False, state_v_first, cu_seqlens, options)
     else:
         if inplace_final_state or num_accepted_tokens is not None:
             raise ValueError("`inplace_final_state` and `num_accepted_tokens` need `ssm_state_indices`")
         state = k_first(initial_state, state_v_first)
-        o, final = _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, state, output_final_state,
-                              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                              allow_neg_eigval, lower_bound, cu_seqlens, state_indices)
+        o, final = _recurrent(q, k, v, g, beta, initial_state=state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, state_indices=state_indices, **options)
         if state_indices is not None and state_v_first and initial_state is not None:
             # the rows were updated in a [K, V] copy of the pool: put them back into the V-first pool
             initial_state.transpose(-1, -2)[state_indices] = state[state_indices]
@@ -132,7 +130,7 @@ def fused_recurrent_kda(
     return o, final
 
 
-def _continuous_batching(q, k, v, g, beta, scale, pool, indices, num_accepted, inplace, state_v_first, cu_seqlens,
+def _continuous_batching(q, k, v, g, beta, pool, indices, num_accepted, inplace, state_v_first, cu_seqlens,
                          options) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_recurrent_kda` with ``ssm_state_indices``: token by token over all sequences at once (a
     speculative step has a handful of tokens), each token's state stored in its row."""
@@ -164,10 +162,8 @@ def _continuous_batching(q, k, v, g, beta, scale, pool, indices, num_accepted, i
         act = [n for n in range(N) if lens[n] > t]
         act_t = torch.tensor(act, device=q.device)
         pos = torch.tensor([starts[n] + t for n in act], device=q.device)
-        o_t, S_t = _recurrent(*(x[pos][:, None] for x in flat), options["A_log"], options["dt_bias"], scale,
-                              S[act_t], True, options["use_qk_l2norm_in_kernel"], options["use_gate_in_kernel"],
-                              options["use_beta_sigmoid_in_kernel"], options["allow_neg_eigval"],
-                              options["lower_bound"], None, None)
+        o_t, S_t = _recurrent(*(x[pos][:, None] for x in flat), initial_state=S[act_t], output_final_state=True,
+                              **options)
         o[pos] = o_t[:, 0]
         S[act_t] = S_t
         if inplace:
@@ -175,9 +171,9 @@ def _continuous_batching(q, k, v, g, beta, scale, pool, indices, num_accepted, i
     return o.view_as(v), (pool if inplace else v_first(S, state_v_first))
 
 
-def _recurrent(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens,
-               state_indices) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _recurrent(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, lower_bound,
+               cu_seqlens=None, state_indices=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence on states in our [K, V] layout (the body of :func:`fused_recurrent_kda`)."""
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_indices=state_indices)
     s = shape
