@@ -28,7 +28,7 @@ from .cache_manager import CacheManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .sampling import SamplingError, SamplingParams, sample, token_logprobs
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .sequence import RequestOutput, Sequence, Status
 
 log = logging.getLogger("kimi_linear.engine")
@@ -273,7 +273,7 @@ class LLMEngine:
                 # for it (check_request rules this out); fail it rather than spin.
                 self._finish(self.waiting[0], "error", emit=True)
 
-    def _separate_step(self, plan: Any) -> None:
+    def _separate_step(self, plan: StepPlan) -> None:
         """Decode rows in one forward (the CUDA-graph step when there is one), then the prompt chunks batched by
         length."""
         if plan.decode:
@@ -291,7 +291,7 @@ class LLMEngine:
                 self.cache.register_blocks(s, snapshot=True)
                 self._after_forward_isolated(s, logits)
 
-    def _mixed_step(self, plan: Any) -> None:
+    def _mixed_step(self, plan: StepPlan) -> None:
         """Decode rows and prompt chunks as one packed forward (``EngineConfig.mixed_steps``)."""
         work = [(s, 1) for s in plan.decode] + plan.prefill
         self._counters["decode_forwards"] += bool(plan.decode)
