@@ -341,7 +341,8 @@ def run_sweep() -> None:
     rows = []
     for B, L in S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
-        base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
+        chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
+        base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0])
         for BH, BN, nw, ns in configs:
             base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH)
             for splits in sorted({max(1, base_bh // 2), base_bh, 2 * base_bh}):
@@ -350,7 +351,7 @@ def run_sweep() -> None:
                                                       num_warps=nw, num_stages=ns)
                     ms = bench_ms(fn)
                     rows.append(dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, splits=splits,
-                                     default=(BH, BN, nw, ns) == tri.LAUNCH[2] and splits == base, ms=ms,
+                                     default=(BH, BN, nw, ns) == chosen and splits == base, ms=ms,
                                      GB_s=c.nbytes() / (ms * 1e-3) / 1e9))
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, splits=splits,

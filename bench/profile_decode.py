@@ -26,7 +26,27 @@ from engine_gpu import active_bytes, build, cache_bytes_per_step, copy_bandwidth
 from kimi_linear.model.paged import DecodeGraphs, DecodePools  # noqa: E402
 
 
-def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: float) -> None:
+def trace_step(graphs, inputs: torch.Tensor, batch: int, limit: int) -> None:
+    """The step's kernel launches in order: the op that launched each kernel and the innermost kimi_linear
+    frame (the line of our code responsible), the first ``limit`` launches."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.inference_mode(), torch.profiler.profile(activities=acts, with_stack=True) as prof:
+        graphs.forward(inputs, batch)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.kernels and not any(
+                c.kernels for c in ev.cpu_children):
+            ours = [f for f in (ev.stack or []) if "kimi_linear" in f]
+            where = ours[0].split("kimi_linear/")[-1] if ours else "?"
+            rows.append((ev.time_range.start, ev.name, len(ev.kernels), where))
+    rows.sort()
+    print(f"\n### batch {batch}: {len(rows)} kernel-launching ops, in order (first {limit})\n")
+    for _, name, n, where in rows[:limit]:
+        print(f"{name[:40]:40s} {n:2d}  {where}")
+
+
+def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: float, trace: int = 0) -> None:
     cuda = model.device.type == "cuda"
     pools = DecodePools.allocate(model, batch, context + 8, block_size=16)
     graphs = DecodeGraphs(model, pools, batch, capture=cuda)
@@ -54,6 +74,8 @@ def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: floa
                 graphs.forward(inputs, batch)
             if cuda:
                 torch.cuda.synchronize()
+    if cuda and trace:
+        trace_step(graphs, inputs, batch, trace)
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     n_kernels = 0
     for ev in prof.events():
@@ -80,13 +102,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--trace", type=int, default=0, help="also list the first N kernel launches in order")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     model = build(args.model, torch.bfloat16 if device == "cuda" else torch.float32, device, args.smoke)
     bw = copy_bandwidth(device)
     print(f"## decode step profile: {args.model}, {device}, copy bandwidth {bw / 1e9:.0f} GB/s")
     for b in [int(x) for x in args.batches.split(",")]:
-        profile_batch(model, b, 64 if args.smoke else args.context, 3 if args.smoke else args.reps, args.top, bw)
+        profile_batch(model, b, 64 if args.smoke else args.context, 3 if args.smoke else args.reps, args.top, bw,
+                      args.trace)
     return 0
 
 

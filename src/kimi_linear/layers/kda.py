@@ -224,7 +224,9 @@ class KimiDeltaAttention(nn.Module):
         if isinstance(state, PooledKDAState):
             if T != 1:
                 raise ValueError("a PooledKDAState serves one-token decode steps only (T == 1)")
-            memory = dict(initial_state=state.rec_pool, state_indices=state.index, output_final_state=False)
+            # The pool's owner (the engine, generate's decode pools) made the indices: no device-side range check.
+            memory = dict(initial_state=state.rec_pool, state_indices=state.index, output_final_state=False,
+                          trusted_indices=True)
         elif isinstance(state, VarlenKDAState):
             if cu_seqlens is None or B != 1:
                 raise ValueError("a VarlenKDAState needs the packed sequences' `cu_seqlens` (B == 1)")

@@ -68,11 +68,13 @@ def check_kda_inputs(
     *,
     scalar_gate: bool = False,
     state_indices: torch.Tensor | None = None,
+    trusted_indices: bool = False,
 ) -> KDAShape:
     """Check the layout of SPEC section 1 and return the sizes.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0; g: [B, T, HV, K] ([B, T, HV] when ``scalar_gate``);
     beta: [B, T, HV]; initial_state: [N, HV, K, V] float32 (with ``state_indices``: a pool [S, HV, K, V]).
+    trusted_indices: skip the range check of CUDA ``state_indices`` (the caller owns the pool and its rows).
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _need_float(name, _need_tensor(name, x))
@@ -115,7 +117,7 @@ def check_kda_inputs(
             what = "num_slots" if state_indices is not None else "N"
             raise ValueError(f"`initial_state` must have shape [{what}={rows}, HV={HV}, K={K}, V={V}], "
                              f"got {tuple(initial_state.shape)}")
-        if state_indices is not None and state_indices.numel() > 0:
+        if state_indices is not None and state_indices.numel() > 0 and not (trusted_indices and state_indices.is_cuda):
             if state_indices.is_cuda:
                 # Reading the values back would stall every decode step and cannot run inside a CUDA graph:
                 # check on the device instead (an out-of-range slot raises a device-side assertion).

@@ -90,6 +90,7 @@ def fused_recurrent_kda(
     num_accepted_tokens: torch.Tensor | None = None,
     inplace_final_state: bool | None = None,
     out: torch.Tensor | None = None,
+    trusted_indices: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA one token at a time: the decode path. fla-core 0.6's signature; the options mean what they mean for
     :func:`~kimi_linear.ops.chunk_kda` (``state_v_first``: states ``[.., V, K]``), plus:
@@ -103,6 +104,9 @@ def fused_recurrent_kda(
         ``ssm_state_indices[n, t]`` (1-D indices: one token per sequence, row ``ssm_state_indices[n]``). With
         ``inplace_final_state=False`` the pool is not written and the final states come back as [N, HV, K, V].
     out: a tensor [B, T, HV, V] to write the output into (returned).
+    trusted_indices: CUDA ``state_indices`` are checked on the device (five small kernels a call: a comparison
+        chain and an asynchronous assert); a caller that allocated the pool rows itself (the model's decode step)
+        passes True to skip that. Out-of-range rows then read and write out of bounds: never pass user input.
     """
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -115,7 +119,8 @@ def fused_recurrent_kda(
             raise ValueError("`inplace_final_state` and `num_accepted_tokens` need `ssm_state_indices`")
         state = k_first(initial_state, state_v_first)
         o, final = _recurrent(q, k, v, g, beta, initial_state=state, output_final_state=output_final_state,
-                              cu_seqlens=cu_seqlens, state_indices=state_indices, **options)
+                              cu_seqlens=cu_seqlens, state_indices=state_indices, trusted_indices=trusted_indices,
+                              **options)
         if state_indices is not None and state_v_first and initial_state is not None:
             # the rows were updated in a [K, V] copy of the pool: put them back into the V-first pool
             initial_state.transpose(-1, -2)[state_indices] = state[state_indices]
@@ -173,9 +178,10 @@ def _continuous_batching(q, k, v, g, beta, pool, indices, num_accepted, inplace,
 
 def _recurrent(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, lower_bound,
-               cu_seqlens=None, state_indices=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               cu_seqlens=None, state_indices=None, trusted_indices=False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence on states in our [K, V] layout (the body of :func:`fused_recurrent_kda`)."""
-    shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_indices=state_indices)
+    shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_indices=state_indices,
+                             trusted_indices=trusted_indices)
     s = shape
     scale = s.K ** -0.5 if scale is None else scale
     A_log, dt_bias, lower_bound = gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, False, s.HV, q.device)

@@ -33,11 +33,15 @@ from .chunk_common import cast, mm
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
-# Tiles (BH heads x BN keys), warps and pipeline stages per pool dtype; not yet GPU-tuned (bench/mla_decode_gpu.py
-# --sweep times alternatives). BH = 16 is the smallest M of a tensor-core product. Offline sm_90 build (local
-# Triton's ptxas), C = 512, R = 64: 16-bit [16, 32] at 4 warps takes 193-222 registers, no spills, 55 KB of shared
-# memory (two programs per SM); float32 (exact products) spills 1.1 KB at 4 warps and none at 8 (163-176).
+# Tiles (BH heads x BN keys), warps and pipeline stages per pool dtype. BH = 16 is the smallest M of a tensor-core
+# product. Offline sm_90 build (local Triton's ptxas), C = 512, R = 64: 16-bit [16, 32] at 4 warps takes 193-222
+# registers, no spills, 55 KB of shared memory (two programs per SM); float32 (exact products) spills 1.1 KB at 4
+# warps and none at 8 (163-176). H200 sweep (bench/mla_decode_gpu.py --sweep, bf16, H = 32): [32, 64] tiles at 8
+# warps read long splits faster (1 row x 1M: 0.585 vs 0.669 ms; 256 rows x 4k: 0.586 vs 0.673 ms) and short ones
+# slower (1 row x 32k in 128 splits of 256 keys: 0.078 vs 0.046 ms), so they serve splits of >= LONG_SPLIT_KEYS.
 LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
+LAUNCH_LONG = (32, 64, 8, 2)                        # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys
+LONG_SPLIT_KEYS = 1024
 MERGE_BV = 128          # channels per merge program
 MERGE_BS = 16           # splits merged per step of the merge loop
 
@@ -203,6 +207,17 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
     return min(want, most, MAX_SPLITS)
 
 
+def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, block_size: int,
+                 sms: int) -> tuple[int, int, int, int]:
+    """(BH, BN, num_warps, num_stages) from static shapes: :data:`LAUNCH_LONG` for 16-bit pools when its split
+    count leaves pieces of at least LONG_SPLIT_KEYS keys of a full-length row, else :data:`LAUNCH`."""
+    if element_size == 2:
+        splits = default_num_splits(batch, heads, max_blocks, block_size, sms, LAUNCH_LONG[0])
+        if max_blocks * block_size >= LONG_SPLIT_KEYS * splits:
+            return LAUNCH_LONG
+    return LAUNCH[element_size]
+
+
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
@@ -214,7 +229,7 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     C, R = kv_lora_rank, W - kv_lora_rank
     BS = cache.shape[1]
     MB = block_table.shape[1]
-    BH, BN, warps, stages = LAUNCH[cache.element_size()]
+    BH, BN, warps, stages = launch_shape(cache.element_size(), B, H, MB, BS, num_sms(q.device))
     BH, BN = block_h or BH, block_n or BN
     q, seq_lens = q.contiguous(), seq_lens.contiguous()
     if block_table.stride(1) != 1:
