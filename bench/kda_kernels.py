@@ -11,12 +11,12 @@
     python bench/kda_kernels.py --sweep                  # per-kernel times of launch configs (how defaults are set)
     python bench/kda_kernels.py --config '{"scores_bks": 64}' --check --bench    # every step under another config
 
-Shapes of SPEC section 7: bf16, H=32, K=V=128; chunk forward and forward+backward at 16 x 2048 and 1 x 32768 tokens
-with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and once with the
-``lower_bound=-5`` gate (fla: ``safe_gate=True, lower_bound=-5``); the decode step at batch 1 and 256 (plain launch
-and CUDA-graph replay, which is how a server runs it). Floors: bytes moved once over the copy bandwidth measured in
-this run, FLOPs (6 T d^2 per head forward, 3x that with the backward) over the bf16 matmul rate measured in this run;
-the larger of the two. fla comes from the carried wheel (see BENCHMARKS.md for the command).
+Shapes (BENCHMARKS.md, KDA kernels on the H200): bf16, H=32, K=V=128; chunk forward and forward+backward at 16 x 2048
+and 1 x 32768 tokens with l2norm, gate and beta sigmoid in kernel, once with the softplus gate (fla: the same) and
+once with the ``lower_bound=-5`` gate (fla: ``safe_gate=True, lower_bound=-5``); the decode step at batch 1 and 256
+(plain launch and CUDA-graph replay, which is how a server runs it). Floors: bytes moved once over the copy bandwidth
+measured in this run, FLOPs (6 T d^2 per head forward, 3x that with the backward) over the bf16 matmul rate measured
+in this run; the larger of the two. fla comes from the carried wheel (see BENCHMARKS.md for the command).
 
 Steps run in priority order (checks of the default chunk path and its timings first, then the 1M-token check, the
 profile, varlen, SDPA, decode); each step is fenced (a failure is printed and the next step runs) and, with

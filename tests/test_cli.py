@@ -65,7 +65,7 @@ def test_info_reports_layout_and_cache(tiny, capsys):
 
 
 def test_cache_arithmetic_matches_spec_for_kimi_linear_48b():
-    """SPEC section 5: at 1M tokens, 20 KDA layers ~41 MiB fixed, 7 MLA layers ~7.9 GiB, all-MLA ~30.4 GiB."""
+    """docs/memory.md §2: at 1M tokens, 20 KDA layers ~41 MiB fixed, 7 MLA layers ~7.9 GiB, all-MLA ~30.4 GiB."""
     cb = cache_bytes(preset_config("kimi-linear-48b"), 1 << 20)
     assert (cb.kda_layers, cb.mla_layers) == (20, 7)
     assert cb.kda_state == 20 * (32 * 128 * 128 * 4 + 3 * 3 * 32 * 128 * 2)   # 2 MiB state + conv per layer

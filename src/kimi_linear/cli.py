@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="parameters, layer layout and cache bytes per sequence",
                        description="Show parameters, the KDA/MLA layer layout and the per-sequence cache at a "
                        "context length: fixed KDA state vs growing MLA latent vs an all-MLA model of the same "
-                       "shape (SPEC section 5).")
+                       "shape (docs/memory.md).")
     i.add_argument("source", help=PRESET_HELP)
     i.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
     i.add_argument("--cache-dtype", default="bfloat16", help="dtype of the MLA latent and conv cache (default bf16)")

@@ -1,4 +1,4 @@
-"""The k3-tiny preset: checkpoint names (SPEC section 6), cache decoding == full forward, packed documents,
+"""The k3-tiny preset: checkpoint names (docs/checkpoint.md §3), cache decoding == full forward, packed documents,
 and a short MQAR training run that lowers the loss."""
 
 from __future__ import annotations

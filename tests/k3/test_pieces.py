@@ -1,4 +1,4 @@
-"""Each K3 piece against its formula written plainly in float64 (SPEC section 6)."""
+"""Each K3 piece against its formula written plainly in float64 (docs/model.md §7)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_expert_with_situ_is_the_glu_formula():
 
 # ----------------------------------------------------------------------------------------- KDA gate switches
 def kda_ref(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
-    """The KDA block (SPEC section 3) in float64, one token at a time, with the K3 gate options."""
+    """The KDA block (docs/model.md §3) in float64, one token at a time, with the K3 gate options."""
     B, T, _ = x.shape
     H, d, W = layer.num_heads, layer.head_dim, layer.conv_size
     x = x.double()

@@ -1,4 +1,4 @@
-"""Each K3 switch off gives bit-for-bit the Kimi Linear model; each switch on changes it (SPEC section 6)."""
+"""Each K3 switch off gives bit-for-bit the Kimi Linear model; each switch on changes it (docs/model.md §7)."""
 
 from __future__ import annotations
 

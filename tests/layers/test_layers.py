@@ -1,4 +1,4 @@
-"""Each layer against a direct float64 transcription of SPEC sections 3-4, plus its decode and packing paths."""
+"""Each layer against a direct float64 transcription of docs/model.md §3-5, plus its decode and packing paths."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def kda_reference(m: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
-    """SPEC section 3 step by step, float64, straight from the parameters."""
+    """The KDA block (docs/model.md §3) step by step, float64, straight from the parameters."""
     x = x.double()
     B, T, _ = x.shape
     H, d, W = m.num_heads, m.head_dim, m.conv_size
@@ -176,7 +176,7 @@ def test_mla_prefill_and_absorbed_decode_match_spec():
 
 
 def moe_reference(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Token by token, SPEC section 4: choose with the bias, weight without it, renormalise, scale."""
+    """Token by token, docs/model.md §5: choose with the bias, weight without it, renormalise, scale."""
     g = m.gate
     out = []
     for t in x.double():

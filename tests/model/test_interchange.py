@@ -55,8 +55,9 @@ def test_our_checkpoint_loads_into_transformers(tmp_path, kinds, moe, n_group, q
 
 
 def test_saved_files_use_published_names(tmp_path):
-    """On disk: SPEC section 4 names (dense FFN under `mlp.`, MoE under `block_sparse_moe.`, per-expert w1/w2/w3,
-    separate q/k/v convs) and a config.json with the 1-indexed `linear_attn_config` lists."""
+    """On disk: the published names of docs/checkpoint.md §3 (dense FFN under `mlp.`, MoE under
+    `block_sparse_moe.`, per-expert w1/w2/w3, separate q/k/v convs) and a config.json with the 1-indexed
+    `linear_attn_config` lists."""
     ours = randomize(KimiLinearForCausalLM(make_config("KKKM")), seed=1)
     ours.save_pretrained(tmp_path)
     with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:

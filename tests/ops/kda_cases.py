@@ -31,7 +31,7 @@ def make_inputs(
     strong_decay: bool = False,
     initial_state: bool = True,
 ) -> dict[str, torch.Tensor | None]:
-    """Fresh random inputs (never zeros) in the layout of SPEC section 1.
+    """Fresh random inputs (never zeros) in the layout of docs/kda.md §3.
 
     ``raw``: q, k unnormalised, g the raw gate projection and beta logits (for the in-kernel options); otherwise
     unit-norm k, log-sigmoid decays and betas in (0, 1). ``strong_decay`` sets every 7th step's gate to -1000 and

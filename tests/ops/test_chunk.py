@@ -15,7 +15,7 @@ GRAD_TOL = 1e-4  # float32
 
 
 def reference_transforms(x, *, l2norm=False, gate=None, beta_sigmoid=False, allow_neg_eigval=False):
-    """The in-kernel options of SPEC section 1, written plainly, applied to float64 leaves."""
+    """The in-kernel options (docs/kda.md §2), written plainly, applied to float64 leaves."""
     q, k, g, beta = x["q"], x["k"], x["g"], x["beta"]
     if l2norm:
         q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)

@@ -1,4 +1,4 @@
-"""fused_kda_gate: both formulas of SPEC section 1 against plain float64 math."""
+"""fused_kda_gate: both formulas (docs/kda.md §2) against plain float64 math."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The ground truth itself, against the matrix form of SPEC section 1 written independently."""
+"""The ground truth itself, against the matrix form of the recurrence (docs/kda.md §1) written independently."""
 
 import torch
 

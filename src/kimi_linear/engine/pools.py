@@ -1,4 +1,5 @@
-"""The two cache pools of SPEC section 5: fixed KDA state slots and a paged pool of MLA latent blocks."""
+"""The cache pools: fixed KDA state slots and a paged pool of MLA latent blocks (docs/serving.md §3; their sizes:
+docs/memory.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GLU activations: SiLU (Kimi Linear) and SiTU (Kimi K3, SPEC section 6).
+"""GLU activations: SiLU (Kimi Linear) and SiTU (Kimi K3, docs/model.md §7).
 
 A GLU activation maps the two projections ``gate`` and ``up`` [..., I] to the product fed to the down projection.
 """

@@ -1,9 +1,9 @@
-"""Block Attention Residuals (Kimi K3; "Attention Residuals", arXiv 2603.15031), SPEC section 6.
+"""Block Attention Residuals (Kimi K3; "Attention Residuals", arXiv 2603.15031), docs/model.md §7.
 
 Instead of ``x + f(x)``, the input of every sublayer is a softmax-weighted mix over depth of a list of *sources*
 [S, B, T, D]: the token embedding, the summaries of the completed blocks and the current block's partial sum.
 
-Choices (from the paper's block pseudocode and the released K3 files, documented here because SPEC is silent):
+Choices (from the paper's block pseudocode and the released K3 files, documented here and in docs/model.md §7):
 - ``attn_res_block_size`` counts *decoder layers* (K3 release: 12, so on 93 layers the block list is snapshotted
   at layers 0, 12, ..., 84). At the first layer of a block, the running partial sum (at layer 0: the embedding)
   is appended to the block list and a new partial sum starts. So the sources are

@@ -1,4 +1,4 @@
-"""The KDA attention block of Kimi Linear (SPEC section 3), with its fixed-size decoding state."""
+"""The KDA attention block of Kimi Linear (docs/model.md §3), with its fixed-size decoding state."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ class VarlenKDAState:
 class KimiDeltaAttention(nn.Module):
     """One KDA block: projections, short conv, gates, the KDA operator, gated norm, output projection.
 
-    Parameter names are the checkpoint's (``self_attn.*`` in SPEC section 4).
+    Parameter names are the checkpoint's (``self_attn.*`` in docs/checkpoint.md §3).
 
-    Kimi K3 switches (SPEC section 6; both off = Kimi Linear exactly):
+    Kimi K3 switches (docs/model.md §7; both off = Kimi Linear exactly):
     gate_lower_bound: e.g. -5. The forget gate becomes ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
         (the operator's ``lower_bound`` formula), so one step decays the memory by at most ``exp(lower_bound)``.
     full_rank_gate: one full-rank ``g_proj`` [H*d, D] replaces the low-rank output gate ``g_a_proj/g_b_proj``.

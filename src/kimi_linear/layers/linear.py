@@ -5,7 +5,7 @@ A decode step multiplies one hidden vector by every weight of the model, and tho
 streams a cold weight at ~8 GB/s on the development box, whereas both cores together read memory at ~20 GB/s. Split
 the output features into one block per intra-op thread and run the blocks as one batched product (``bmm``
 parallelises over the batch): every core streams its share of the weight, 1.3-1.8x faster per projection
-(see BENCHMARKS.md, issue 3). Same arithmetic per output (one dot product over the input features).
+(BENCHMARKS.md, "The model on a CPU"). Same arithmetic per output (one dot product over the input features).
 """
 
 from __future__ import annotations

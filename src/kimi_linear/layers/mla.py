@@ -1,4 +1,4 @@
-"""NoPE Multi-head Latent Attention (SPEC section 4) with a cache of the 576-wide latent, not expanded keys."""
+"""NoPE Multi-head Latent Attention (docs/model.md §4) with a cache of the 576-wide latent, not expanded keys."""
 
 from __future__ import annotations
 

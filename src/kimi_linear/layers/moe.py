@@ -1,5 +1,5 @@
-"""Sigmoid-routed mixture of experts with a correction bias and shared experts (SPEC section 4, FFN), and Kimi K3's
-LatentMoE (SPEC section 6): routed experts in a narrower latent space."""
+"""Sigmoid-routed mixture of experts with a correction bias and shared experts (docs/model.md §5), and Kimi K3's
+LatentMoE (docs/model.md §7): routed experts in a narrower latent space."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RMSNorm and the gated per-head RMSNorm of the KDA output (SPEC sections 3-4)."""
+"""RMSNorm and the gated per-head RMSNorm of the KDA output (docs/model.md §1, §3)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head output norm of KDA: ``RMSNorm(o) * weight * sigmoid(gate)``, all in float32 (SPEC section 3, step 5).
+    """Per-head output norm of KDA: ``RMSNorm(o) * weight * sigmoid(gate)``, all in float32 (docs/model.md §3, step 5).
 
     ``weight`` has one entry per channel of a head (``[d]``) and is shared by every head.
     """

@@ -1,4 +1,4 @@
-"""The hybrid decoding cache: fixed-size state per KDA layer, growing latent per MLA layer (SPEC section 5)."""
+"""The hybrid decoding cache: fixed-size state per KDA layer, growing latent per MLA layer (docs/memory.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint files (SPEC section 4): ``config.json`` + safetensors, sharded with an index when large.
+"""Hugging Face checkpoint files (docs/checkpoint.md): ``config.json`` + safetensors, sharded with an index when large.
 
 Reading builds the model on the meta device and assigns the file tensors, so nothing is randomly initialised and a
 48B checkpoint needs only its own memory. Writing goes to temporary names that are renamed into place only once

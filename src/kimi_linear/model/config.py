@@ -51,7 +51,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             full_attn_layers=[4, 8, 12, 16, 20, 24, 27], head_dim=128, num_heads=32, short_conv_kernel_size=4,
         ),
     ),
-    # Kimi K3 (issue 7, SPEC section 6): every K3 switch on, tiny; and the released K3 shape (for `info`).
+    # Kimi K3 (docs/model.md §7): every K3 switch on, tiny; and the released K3 shape (for `info`).
     "k3-tiny": K3_TINY,
     "kimi-k3": KIMI_K3,
 }
@@ -110,7 +110,7 @@ def validate_config(config: KimiLinearConfig) -> KimiLinearConfig:
                          f"{config.moe_router_activation_func!r}")
     if getattr(config, "mla_use_nope", True) is False:
         raise ValueError("config field `mla_use_nope` is false: rotary MLA is not part of Kimi Linear (NoPE only)")
-    # Kimi K3 switches (SPEC section 6) and `hidden_act` ("silu", or K3's "situ"): checked, naming the field.
+    # Kimi K3 switches (docs/model.md §7) and `hidden_act` ("silu", or K3's "situ"): checked, naming the field.
     k3_options(config)
     rsf = config.routed_scaling_factor
     if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not rsf > 0 or rsf == float("inf"):

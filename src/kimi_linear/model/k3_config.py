@@ -1,4 +1,4 @@
-"""Kimi K3 config switches (SPEC section 6): reading and checking them, and the K3 presets.
+"""Kimi K3 config switches (docs/model.md §7): reading and checking them, and the K3 presets.
 
 Every switch is optional; with all of them absent (or off) the model is exactly Kimi Linear. Field names are the
 released K3 ``config.json``'s: ``linear_attn_config.{gate_lower_bound, use_full_rank_gate}``,

@@ -1,4 +1,4 @@
-"""Parameter counts and per-sequence cache sizes from a config alone (SPEC section 5), for `kimi-linear info`."""
+"""Parameter counts and per-sequence cache sizes from a config alone (docs/memory.md), for `kimi-linear info`."""
 
 from __future__ import annotations
 

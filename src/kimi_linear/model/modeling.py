@@ -1,4 +1,4 @@
-"""The Kimi Linear decoder (SPEC section 4): pre-norm hybrid of KDA and NoPE MLA layers with dense / MoE FFNs."""
+"""The Kimi Linear decoder (docs/model.md): pre-norm hybrid of KDA and NoPE MLA layers with dense / MoE FFNs."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def check_kda_inputs(
     state_indices: torch.Tensor | None = None,
     trusted_indices: bool = False,
 ) -> KDAShape:
-    """Check the layout of SPEC section 1 and return the sizes.
+    """Check the layout of docs/kda.md §3 and return the sizes.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0; g: [B, T, HV, K] ([B, T, HV] when ``scalar_gate``);
     beta: [B, T, HV]; initial_state: [N, HV, K, V] float32 (with ``state_indices``: a pool [S, HV, K, V]).

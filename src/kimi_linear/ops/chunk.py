@@ -1,4 +1,4 @@
-"""Chunkwise KDA (SPEC section 2) in PyTorch: prefill and training on any device torch supports."""
+"""Chunkwise KDA (docs/kda.md §4-5) in PyTorch: prefill and training on any device torch supports."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The short convolution of the KDA block: causal, depthwise, width W (4), then SiLU (SPEC section 3, step 2).
+"""The short convolution of the KDA block: causal, depthwise, width W (4), then SiLU (docs/model.md §3, step 1).
 
     y_t = silu( sum_{j < W} w_j * x_{t - (W - 1 - j)} )      per channel; tap W - 1 is the current input
 

@@ -1,4 +1,4 @@
-"""The KDA forget gate and the other "in-kernel" input transforms of SPEC section 1, in PyTorch."""
+"""The KDA forget gate and the other "in-kernel" input transforms (docs/kda.md §2), in PyTorch."""
 
 from __future__ import annotations
 

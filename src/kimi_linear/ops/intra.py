@@ -1,4 +1,4 @@
-"""Inside one chunk: decay sums, the decayed score matrices and the WY form of the delta rule (SPEC section 2).
+"""Inside one chunk: decay sums, the decayed score matrices and the WY form of the delta rule (docs/kda.md §4-5).
 
 Every decay factor here is ``exp`` of a sum of gates over a run of tokens, built as that sum directly, never as the
 difference of two prefix sums: all gates are <= 0, so a sum of them has no cancellation, stays accurate in float32

@@ -1,4 +1,4 @@
-"""Routed experts of a mixture-of-experts FFN as one operator (SPEC section 4, FFN; K3's SiTU from section 6).
+"""Routed experts of a mixture-of-experts FFN as one operator (docs/model.md §5; K3's SiTU: §7).
 
 Each token n chose k experts ``topk_ids[n]`` with routing weights ``topk_weights[n]``; expert e is the GLU feed-forward
 

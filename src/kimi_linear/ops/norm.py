@@ -1,4 +1,4 @@
-"""The KDA block's output norm (SPEC section 3, step 5): per head, ``RMSNorm(o) * weight * sigmoid(gate)``, all in
+"""The KDA block's output norm (docs/model.md §3, step 5): per head, ``RMSNorm(o) * weight * sigmoid(gate)``, all in
 float32, cast back to o's dtype. On CUDA tensors :func:`gated_rms_norm` runs the Triton kernels of
 :mod:`kimi_linear.ops.triton.norm` (forward and backward); this is the PyTorch path and the reference."""
 

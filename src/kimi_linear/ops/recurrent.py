@@ -1,4 +1,4 @@
-"""Token-by-token KDA for decoding (SPEC section 1), with in-place updates of a serving engine's state pool."""
+"""Token-by-token KDA for decoding (docs/kda.md §7), with in-place updates of a serving engine's state pool."""
 
 from __future__ import annotations
 

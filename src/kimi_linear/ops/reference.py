@@ -1,4 +1,4 @@
-"""The KDA recurrence of SPEC section 1, token by token: the ground truth every fast path is tested against."""
+"""The KDA recurrence (docs/kda.md §1), token by token: the ground truth every fast path is tested against."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
 - Data parallel: every rank builds the same global batch (sources are deterministic in the step) and keeps rows
   ``rank::world`` of it, so ``world`` ranks with batch B see exactly what one process with batch B sees.
 - Checkpoints: ``torch.distributed.checkpoint`` (DCP) writes each rank's shards with the global layout, so a run
-  saved on N ranks loads on M ranks; rank 0 also exports the full model in the SPEC section 4 format for
-  ``kimi-linear generate``, transformers and vLLM.
+  saved on N ranks loads on M ranks; rank 0 also exports the full model in the Hugging Face format
+  (docs/checkpoint.md) for ``kimi-linear generate``, transformers and vLLM.
 - Context parallel (``--context-parallel C``): consecutive blocks of C ranks each split every row along time
   (:class:`ContextParallelSource`, :mod:`kimi_linear.model.context_parallel`); the blocks are data parallel. FSDP2
   still shards over all ranks; :class:`ContextParallelTrainer` scales each rank's loss so that FSDP's average over

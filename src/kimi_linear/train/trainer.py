@@ -1,5 +1,5 @@
 """A causal-LM trainer for any model of this package: AdamW, warmup + cosine/WSD, clipping, accumulation,
-bf16 autocast on GPU, evaluation, checkpoints in the SPEC section 4 format, and exact resume.
+bf16 autocast on GPU, evaluation, checkpoints in the Hugging Face format (docs/checkpoint.md), and exact resume.
 
 Exact resume rests on three choices: batches are a pure function of ``(seed, step, micro-step)`` (see
 :class:`BatchSource`), the learning rate is a pure function of the step, and a checkpoint holds the float32 weights,

@@ -1,6 +1,6 @@
 """Host side of the chunk pipeline: the forward as five small kernels, and the backward.
 
-Forward (SPEC section 2), each kernel with a bounded working set:
+Forward (docs/kda.md §4-6), each kernel with a bounded working set:
 
     (a) chunk_prepare.py  gate -> gP (16-row sub-block sums), l2norm row factors rq, rk
     (b) chunk_wy.py       scores: Aqk, Akk per chunk, separable chunks in one product per channel step (two launches)

@@ -1,4 +1,4 @@
-"""The decode step: KDA token by token (SPEC section 1) in one Triton kernel, with a serving engine's state pool.
+"""The decode step: KDA token by token (docs/kda.md §7) in one Triton kernel, with a serving engine's state pool.
 
 One program owns one value-head's state block ``[K, BV]`` in registers for the whole sequence: it reads the state
 once, runs every token of the sequence (one for decode, a few for short prompts or speculative tokens), and writes

@@ -1,4 +1,4 @@
-"""The in-kernel input transforms of SPEC section 1 as Triton device functions, shared by every KDA kernel.
+"""The in-kernel input transforms (docs/kda.md §2) as Triton device functions, shared by every KDA kernel.
 
 All of them compute in float32 on blocks that are already in registers.
 """
