@@ -2,7 +2,7 @@
 
     python bench/capture_check.py            # 8-layer Kimi-Linear-48B shape, 32 experts, bf16
 
-For each piece (stable sort of the routing ids, the router, the fused MoE op, the whole fixed-shape step) and each
+For each piece (the router, the fused MoE op, the whole fixed-shape step) and each
 batch size: the eager warm-up runs under ``torch.cuda.set_sync_debug_mode("error")`` (a host synchronisation
 raises with its Python line), then a capture and a replay. Prints one markdown row per (piece, batch).
 """
@@ -68,8 +68,9 @@ def main() -> int:
             finally:
                 moe.static_dispatch = False
 
-        return [("sort (stable, int64)", lambda: torch.sort(ids, stable=True)), ("router", lambda: moe.gate(x)),
-                ("fused_moe op", lambda: fused_moe(x, packed[0], packed[1], w, idx)), ("SparseMoE static", static)]
+        return [("router", lambda: moe.gate(x)),
+                ("fused_moe op", lambda: fused_moe(x, packed[0], packed[1], w, idx, num_shared=int(packed[2]))),
+                ("SparseMoE static", static)]
 
     with torch.inference_mode():
         for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):

@@ -81,7 +81,7 @@ class Setup:
         moe.pack()
         moe.requires_grad_(False).eval()
         self.moe = moe
-        self.w13, self.w2 = moe._packed_experts()
+        self.w13, self.w2, _ = moe._packed_experts()        # no shared expert here (num_shared_experts=0)
         self.gen = torch.Generator(device).manual_seed(seed)
         with torch.no_grad():
             self.w13.copy_(self.randn(self.w13.shape) / W**0.5)

@@ -38,9 +38,9 @@ def fused(monkeypatch):
 
     state = Fused()
 
-    def spy(*args):
+    def spy(*args, **kw):
         state.calls.append(args[0].shape[0])
-        return tri(*args)
+        return tri(*args, **kw)
 
     monkeypatch.setattr(moe_op, "triton_op", lambda name, x: spy if name == "fused_moe" and state.enabled else None)
     return state
@@ -99,6 +99,26 @@ def test_replaced_weight_is_noticed(fused):
     assert m._packed_experts() is not None and rel_err(run(m, x, static=False), eager) < 1e-6
 
 
+def test_shared_expert_rides_in_the_fused_op(fused):
+    """With the shared expert stacked last, the fused op runs it (num_shared=1) and the layer adds nothing after;
+    a shared expert of another width (two shared experts) is not stacked and runs on its own: both equal the
+    PyTorch layer."""
+    m = make_moe(False)
+    assert m._packed_experts()[2]
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(9))
+    got = run(m, x, static=False)
+    assert fused.calls == [7]
+    fused.enabled = False
+    assert rel_err(got, run(m, x, static=False)) < 1e-6
+    wide = randomize(SparseMoE(32, 24, num_experts=6, top_k=2, num_shared_experts=2), 3).eval()
+    wide.pack()
+    assert not wide._packed_experts()[2] and wide._packed_experts()[0].shape[0] == 6
+    fused.enabled = True
+    got = run(wide, x, static=False)
+    fused.enabled = False
+    assert rel_err(got, run(wide, x, static=False)) < 1e-6
+
+
 def test_gradients_skip_the_fused_op(fused):
     """Training needs the parameters' gradients: the fused op (no backward) is not used then."""
     m = make_moe(False).train()
@@ -108,9 +128,9 @@ def test_gradients_skip_the_fused_op(fused):
 
 
 def test_pack_views_state_dict_and_memory():
-    """After pack(): every expert weight is a view into one of two stacks (memory held once); state_dict names,
-    shapes and values unchanged; CPU orientation kept (longer dimension contiguous); in-place loads write through;
-    .double() re-packs."""
+    """After pack(): every expert weight, the shared expert's too (stacked last), is a view into one of two stacks
+    (memory held once); state_dict names, shapes and values unchanged; CPU orientation kept (longer dimension
+    contiguous); in-place loads write through; .double() re-packs; a repeated model-level pack keeps the views."""
     m = SparseMoE(32, 24, num_experts=4, top_k=2)
     randomize(m, 7)
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -118,9 +138,14 @@ def test_pack_views_state_dict_and_memory():
     after = m.state_dict()
     assert list(after) == list(before)
     assert all(torch.equal(after[k], v) for k, v in before.items())
-    w13, w2 = m._packed_experts()
-    assert w13.shape == (4, 48, 32) and w2.shape == (4, 32, 24)
-    expert_params = [p for ex in m.experts for p in ex.parameters()]
+    w13, w2, shared = m._packed_experts()
+    assert shared and w13.shape == (5, 48, 32) and w2.shape == (5, 32, 24)
+    sh = m.shared_experts
+    assert torch.equal(w13[4], torch.cat([sh.gate_proj.weight, sh.up_proj.weight]))
+    assert torch.equal(w2[4], sh.down_proj.weight) and sh.down_proj.weight.data_ptr() == w2[4].data_ptr()
+    sh.pack()                                                   # what the model's optimize_layout calls next
+    assert m._packed_experts() is not None and sh._pack.weight.data_ptr() == w13[4].data_ptr()
+    expert_params = [p for ex in [*m.experts, sh] for p in ex.parameters()]
     storages = {p.untyped_storage().data_ptr() for p in expert_params}
     assert storages == {w13.untyped_storage().data_ptr(), w2.untyped_storage().data_ptr()}
     assert w13.untyped_storage().nbytes() + w2.untyped_storage().nbytes() == sum(p.nbytes for p in expert_params)
@@ -133,7 +158,7 @@ def test_pack_views_state_dict_and_memory():
     m.load_state_dict(new)
     assert m._packed_experts() is not None and torch.equal(m._packed_experts()[1][3], new["experts.3.w2.weight"])
     m.double()
-    w13d, _ = m._packed_experts()
+    w13d = m._packed_experts()[0]
     assert w13d.dtype == torch.float64 and m.experts[1].w1.weight.data_ptr() == w13d[1].data_ptr()
 
 

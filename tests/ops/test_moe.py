@@ -167,9 +167,9 @@ def test_public_op_dispatches_to_triton(monkeypatch):
 
     calls = []
 
-    def fake(*args):
+    def fake(*args, **kw):
         calls.append(args[-3])
-        return triton_moe(*args)
+        return triton_moe(*args, **kw)
 
     monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fake if name == "fused_moe" else None)
     x, w13, w2, tw, ids = make(4, 4, 2, 32, 32, seed=9)
@@ -177,6 +177,71 @@ def test_public_op_dispatches_to_triton(monkeypatch):
     assert calls == ["situ"] and rel_err(got, reference(x, w13, w2, tw, ids, "situ")) < BARS[torch.float32]
     fused_moe(x.double(), w13.double(), w2.double(), tw, ids)
     assert calls == ["situ"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, E, k, S, mode", [(1, 8, 3, 1, "random"), (37, 4, 2, 1, "one"), (9, 6, 2, 2, "idle"),
+                                              (5, 4, 4, 1, "random")])
+def test_shared_experts(N, E, k, S, mode, dtype):
+    """The last S stacked experts run on every token with weight 1: the PyTorch path equals the routed sum plus
+    each shared expert (float64 loop), and the Triton kernels equal the PyTorch path; an out-of-range routed id
+    equal to a shared expert's index must not alias it."""
+    x, w13, w2, tw, ids = make(N, E + S, k, 32, 24, dtype, mode, seed=N + 7 * S)
+    ids = ids % E
+    want = naive_moe(x, w13, w2, tw, ids) + sum(
+        naive_moe(x, w13, w2, torch.ones(N, 1), torch.full((N, 1), e)) for e in range(E, E + S))
+    got_torch = fused_moe(x.double(), w13.double(), w2.double(), tw, ids, num_shared=S)
+    assert rel_err(got_torch, want) < 1e-12
+    got = triton_moe(x, w13, w2, tw, ids, num_shared=S)
+    assert rel_err(got, want) < BARS[dtype]
+    bad = ids.clone()
+    bad[0, 0] = E                                               # the first shared expert's index: out of range here
+    tw0 = tw.clone()
+    tw0[0, 0] = 0.0
+    assert rel_err(triton_moe(x, w13, w2, tw, bad, num_shared=S),
+                   fused_moe(x.double(), w13.double(), w2.double(), tw0, ids, num_shared=S)) < BARS[dtype]
+
+
+def test_sigmoid_topk_triton_matches_torch():
+    """The router's Triton kernel against the PyTorch path: same experts in the same order, weights to float32
+    rounding; with and without renormalisation, k = 1 and k = E, E not a power of two, a strong bias."""
+    from kimi_linear.ops.moe import sigmoid_topk_torch
+    from kimi_linear.ops.triton.moe import sigmoid_topk as tri
+
+    gen = torch.Generator().manual_seed(11)
+    for N, E, k, renorm, scale in [(1, 32, 8, True, 2.5), (7, 12, 1, False, 1.0), (5, 6, 6, True, 1.0),
+                                   (33, 256, 8, True, 2.446)]:
+        logits = torch.randn(N, E, generator=gen) * 3
+        bias = torch.randn(E, generator=gen) * 0.5
+        w, i = tri(logits, bias, k, renorm, scale)
+        w_ref, i_ref = sigmoid_topk_torch(logits, bias, k, renorm, scale)
+        assert torch.equal(i, i_ref) and i.dtype == torch.int64
+        assert torch.allclose(w, w_ref, rtol=1e-6, atol=0)
+
+
+def test_sigmoid_topk_dispatch_and_errors(monkeypatch):
+    """The public op takes the Triton kernel only when no gradient is needed (here forced on CPU tensors), and
+    names a bad argument."""
+    import kimi_linear.ops.moe as moe_op
+    from kimi_linear.ops import sigmoid_topk
+    from kimi_linear.ops.triton.moe import sigmoid_topk as tri
+
+    calls = []
+    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: (lambda *a: calls.append(1) or tri(*a))
+                        if name == "sigmoid_topk" else None)
+    logits, bias = torch.randn(3, 8), torch.zeros(8)
+    sigmoid_topk(logits, bias, 2)
+    assert calls == [1]
+    w, _ = sigmoid_topk(logits.requires_grad_(), bias, 2)
+    assert calls == [1] and w.requires_grad
+    with pytest.raises(ValueError, match="bias"):
+        sigmoid_topk(torch.randn(3, 8), torch.zeros(7), 2)
+    with pytest.raises(ValueError, match="k must"):
+        sigmoid_topk(torch.randn(3, 8), torch.zeros(8), 9)
+    with pytest.raises(ValueError, match="logits"):
+        sigmoid_topk(torch.randn(3, 8).half(), torch.zeros(8), 2)
+    sigmoid_topk(torch.randn(3, 8).double(), torch.zeros(8), 2)           # float64: the PyTorch path
+    assert calls == [1]
 
 
 def _args(**bad):
@@ -201,6 +266,9 @@ def _args(**bad):
     (dict(activation="gelu"), "activation must be"),
     (dict(situ_beta=0.0), "situ_beta must be"),
     (dict(situ_linear_beta=-1.0), "situ_linear_beta must be"),
+    (dict(num_shared=4), "num_shared must be"),
+    (dict(num_shared=-1), "num_shared must be"),
+    (dict(num_shared=3), "1 <= k <= E=1"),
 ])
 def test_bad_inputs(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -24,8 +24,10 @@ class SwiGLUMLP(nn.Module):
         self._pack: PackedLinears | None = None
 
     def pack(self) -> None:
-        """Pack gate_proj and up_proj (both read x) into one matrix; see ``PackedLinears``."""
-        self._pack = PackedLinears([self.gate_proj, self.up_proj])
+        """Pack gate_proj and up_proj (both read x) into one matrix; see ``PackedLinears``. Nothing to do while they
+        are packed already (e.g. as the shared expert stacked with the routed ones by ``SparseMoE.pack``)."""
+        if self._pack is None or not self._pack.intact():
+            self._pack = PackedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""

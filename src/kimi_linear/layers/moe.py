@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.moe import fused_moe, fused_moe_available
+from ..ops.moe import fused_moe, fused_moe_available, sigmoid_topk
 from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
@@ -77,7 +77,11 @@ class SigmoidTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
-        scores = F.linear(upcast(x), upcast(self.weight)).sigmoid()
+        logits = F.linear(upcast(x), upcast(self.weight))
+        if self.n_group == 1:       # one Triton kernel on a GPU when no gradient is needed (ops.sigmoid_topk)
+            return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize,
+                                self.routed_scaling_factor)
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             # Group-limited routing (DeepSeek-V3 style): keep the topk_group groups whose two best experts score
@@ -159,8 +163,10 @@ class SparseMoE(nn.Module):
         weights, idx = self.gate(flat)
         z = flat if self.latent_size is None else self.routed_expert_down_proj(flat)      # [N, D or latent]
         fused = self._fused_weights(z)
+        shared_done = False
         if fused is not None:
-            out = fused_moe(z, fused[0], fused[1], weights, idx, **self._activation())
+            w13, w2, shared_done = fused
+            out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), **self._activation())
         elif self.static_dispatch:
             out = self._dense(z, weights, idx)
         elif flat.shape[0] == 1:
@@ -172,7 +178,7 @@ class SparseMoE(nn.Module):
             if self.routed_expert_norm is not None:
                 out = self.routed_expert_norm(out)
             out = self.routed_expert_up_proj(out)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not shared_done:
             out = out + self.shared_experts(flat)
         return out.view(shape)
 
@@ -209,45 +215,55 @@ class SparseMoE(nn.Module):
         them, which :meth:`_packed_experts` notices. Skipped (the experts pack themselves) unless all weights share
         one dtype and device and are plain tensors (not e.g. FSDP's DTensors).
 
+        A shared expert of the routed experts' shape (one shared expert, no latent space: Kimi Linear) is stacked
+        last, at index E, its gate|up and down projections views like the experts': the fused op then runs it as
+        one more pair per token (``num_shared=1``) instead of three more matmuls, an activation and an add.
+
         Layout: on CUDA both stacks are row-major (each row of w13 and w2 contiguous: the kernels read along W and
         I). On CPU each expert matrix keeps its longer dimension contiguous, as ``PackedLinears`` and the model's
         ``optimize_layout`` store them (faster CPU matrix-vector products)."""
-        lins = [lin for ex in self.experts for lin in (ex.w1, ex.w3, ex.w2)]
+        mats = [(ex.w1, ex.w3, ex.w2) for ex in self.experts]
+        sh = self.shared_experts
+        if (sh is not None and self.latent_size is None and type(sh.glu) is type(self.experts[0].glu)
+                and sh.gate_proj.weight.shape == self.experts[0].w1.weight.shape):
+            mats.append((sh.gate_proj, sh.up_proj, sh.down_proj))
+        lins = [lin for trio in mats for lin in trio]
         ws = [lin.weight for lin in lins]
         self._packed, self._stacked = None, None
         if len({(w.dtype, w.device, type(w.data)) for w in ws}) != 1 or type(ws[0].data) is not torch.Tensor:
             return
-        E, (I, W) = len(self.experts), ws[0].shape
+        E, (I, W) = len(mats), ws[0].shape
         dev, dt = ws[0].device, ws[0].dtype
         cpu = dev.type == "cpu"
         w13 = (torch.empty(E, W, 2 * I, dtype=dt, device=dev).transpose(1, 2) if cpu and 2 * I > W
                else torch.empty(E, 2 * I, W, dtype=dt, device=dev))
         w2 = (torch.empty(E, I, W, dtype=dt, device=dev).transpose(1, 2) if cpu and W > I
               else torch.empty(E, W, I, dtype=dt, device=dev))
-        for e, ex in enumerate(self.experts):
-            ex._pack = PackedLinears([ex.w1, ex.w3], into=w13[e])
-            w2[e].copy_(ex.w2.weight)
-            ex.w2.weight.data = w2[e]
+        for e, (gate, up, down) in enumerate(mats):
+            owner = self.experts[e] if e < len(self.experts) else sh
+            owner._pack = PackedLinears([gate, up], into=w13[e])
+            w2[e].copy_(down.weight)
+            down.weight.data = w2[e]
         dicts = [lin._parameters for lin in lins]
         # The stacks themselves are not kept: only the views hold their memory, so it goes once they are replaced.
         self._packed = (dicts, [d["weight"].data_ptr() for d in dicts], (w13.shape, w13.stride()),
-                        (w2.shape, w2.stride()))
+                        (w2.shape, w2.stride()), len(mats) > len(self.experts))
 
-    def _packed_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stacks of :meth:`pack` (w13 [E, 2I, W], w2 [E, W, I]) while every expert weight is still its view
-        into them, else None. Checks one data pointer per weight (through the kept parameter dicts, which skips
-        ``nn.Module.__getattr__``: this runs every decode step), then views the stacks again from the first
-        expert's w1 and w2, which start them."""
+    def _packed_experts(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """The stacks of :meth:`pack` (w13 [E (+1), 2I, W], w2 [E (+1), W, I], whether the shared expert is the last)
+        while every weight is still its view into them, else None. Checks one data pointer per weight (through the
+        kept parameter dicts, which skips ``nn.Module.__getattr__``: this runs every decode step), then views the
+        stacks again from the first expert's w1 and w2, which start them."""
         if self._packed is None:
             return None
-        dicts, ptrs, (s13, st13), (s2, st2) = self._packed
+        dicts, ptrs, (s13, st13), (s2, st2), shared = self._packed
         try:
             if [d["weight"].data_ptr() for d in dicts] != ptrs:
                 return None
         except RuntimeError:        # a weight without storage (e.g. FSDP's sharded DTensor)
             return None
         return (dicts[0]["weight"].detach().as_strided(s13, st13, 0),
-                dicts[2]["weight"].detach().as_strided(s2, st2, 0))
+                dicts[2]["weight"].detach().as_strided(s2, st2, 0), shared)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.half()``, ...: each expert weight moves on its own (``nn.Module._apply``), which breaks the
@@ -260,12 +276,14 @@ class SparseMoE(nn.Module):
         return self
 
     def _stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert weights stacked, w1|w3 [E, 2I, W] and w2 [E, W, I]: the packed stacks of :meth:`pack`, or, when
-        those are broken or were never made (a layer used on its own), a stacked copy (the routed experts' memory
-        again), rebuilt when a weight changes (storage or in-place version)."""
+        """The routed experts' weights stacked, w1|w3 [E, 2I, W] and w2 [E, W, I]: the packed stacks of :meth:`pack`
+        (without a shared expert stacked after them), or, when those are broken or were never made (a layer used
+        on its own), a stacked copy (the routed experts' memory again), rebuilt when a weight changes (storage or
+        in-place version)."""
         packed = self._packed_experts()
         if packed is not None:
-            return packed
+            E = len(self.experts)
+            return packed[0][:E], packed[1][:E]
         ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
         if self._stacked is None or self._stacked[0] != key:
@@ -282,11 +300,12 @@ class SparseMoE(nn.Module):
             return {"activation": "situ", "situ_beta": glu.beta, "situ_linear_beta": glu.linear_beta}
         return {}
 
-    def _fused_weights(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(w13, w2) for :func:`kimi_linear.ops.fused_moe` when it runs the Triton kernels (CUDA) on z and nothing
-        needs a gradient (the fused op has no backward), else None. The packed stacks; while they are broken, the
-        CUDA-graph step (``static_dispatch``) takes a stacked copy (it cannot run the host-synchronising paths), the
-        eager step the per-expert paths (no second copy of the experts in memory)."""
+    def _fused_weights(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """(w13, w2, whether the shared expert is stacked last) for :func:`kimi_linear.ops.fused_moe` when it runs
+        the Triton kernels (CUDA) on z and nothing needs a gradient (the fused op has no backward), else None. The
+        packed stacks; while they are broken, the CUDA-graph step (``static_dispatch``) takes a stacked copy (it
+        cannot run the host-synchronising paths), the eager step the per-expert paths (no second copy of the
+        experts in memory)."""
         glu = self.experts[0].glu
         if not (glu is silu_glu or isinstance(glu, SiTUGLU)) or not fused_moe_available(z):
             return None
@@ -294,7 +313,7 @@ class SparseMoE(nn.Module):
             return None
         packed = self._packed_experts()
         if packed is None and self.static_dispatch:
-            packed = self._stacked_experts()
+            packed = (*self._stacked_experts(), False)
         return packed
 
     def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:

@@ -4,7 +4,14 @@ Each token n chose k experts ``topk_ids[n]`` with routing weights ``topk_weights
 
     expert_e(x) = w2[e] @ glu(w1[e] @ x, w3[e] @ x)          w13[e] = [w1[e]; w3[e]]  [2I, W],  w2[e]  [W, I]
 
-and the output is ``out[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n])``.
+and the output is ``out[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n]) + sum_s expert_{E+s}(x[n])``:
+the last ``num_shared`` matrices of the stacks are shared experts, which every token runs with weight 1 (Kimi
+Linear's one shared expert of the routed experts' width rides along as one more pair per token instead of three
+more kernels and an add).
+
+The router before it (:func:`sigmoid_topk`): ``s = sigmoid(logits)``, the top-k of ``s + bias`` (a load-balancing
+offset that picks but does not weigh), weights ``s`` at those experts, optionally renormalised to sum 1, times a
+scaling factor.
 
 ``glu`` is SiLU-GLU ``silu(gate) * up`` (Kimi Linear) or SiTU (Kimi K3, ``layers.activation.SiTUGLU``):
 ``beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta)``.
@@ -26,7 +33,7 @@ ACTIVATIONS = ("silu", "situ")
 
 def check_fused_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor, activation: str, situ_beta: float,
-                           situ_linear_beta: float) -> None:
+                           situ_linear_beta: float, num_shared: int = 0) -> None:
     """Shapes, dtypes and devices of :func:`fused_moe`'s arguments; a ValueError names the one that is off. The
     values of ``topk_ids`` are not checked (that would read them on the host)."""
     if x.dim() != 2 or not x.is_floating_point():
@@ -43,9 +50,13 @@ def check_fused_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if topk_ids.dim() != 2 or topk_ids.shape[0] != N or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_moe: topk_ids must be an int32/int64 tensor [N={N}, k], got {topk_ids.dtype} "
                          f"{tuple(topk_ids.shape)}")
+    if not (isinstance(num_shared, int) and 0 <= num_shared < E):
+        raise ValueError(f"fused_moe: num_shared must be an int in [0, {E}) (the last stacked experts), "
+                         f"got {num_shared!r}")
+    E -= num_shared
     k = topk_ids.shape[1]
     if not 1 <= k <= E:
-        raise ValueError(f"fused_moe: topk_ids must choose 1 <= k <= E={E} experts per token, got k={k}")
+        raise ValueError(f"fused_moe: topk_ids must choose 1 <= k <= E={E} routed experts per token, got k={k}")
     if tuple(topk_weights.shape) != (N, k) or not topk_weights.is_floating_point():
         raise ValueError(f"fused_moe: topk_weights must be a floating tensor [N={N}, k={k}], got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
@@ -74,12 +85,12 @@ def glu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-                    situ_linear_beta: float = 25.0) -> torch.Tensor:
+                    situ_linear_beta: float = 25.0, num_shared: int = 0) -> torch.Tensor:
     """:func:`fused_moe` in PyTorch: the (token, expert) pairs sorted by expert, then per expert with tokens its
     two matmuls in x's dtype (the layers' arithmetic); the weighted outputs are summed in float32 (float64 for
-    float64 inputs). Reads the per-expert counts on the host."""
+    float64 inputs), the shared experts' after the routed ones. Reads the per-expert counts on the host."""
     N, W = x.shape
-    E, k = w13.shape[0], topk_ids.shape[1]
+    E, k = w13.shape[0] - num_shared, topk_ids.shape[1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(N, W, dtype=acc, device=x.device)
     flat = topk_ids.reshape(-1)
@@ -96,29 +107,67 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         y = F.linear(glu_torch(gate, up, activation, situ_beta, situ_linear_beta), w2[e])    # [n, W]
         out.index_add_(0, tok, y.to(acc) * w_sorted[start : start + n, None])
         start += n
+    for e in range(E, E + num_shared):
+        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+        out += F.linear(glu_torch(gate, up, activation, situ_beta, situ_linear_beta), w2[e]).to(acc)
     return out.to(x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-              situ_linear_beta: float = 25.0) -> torch.Tensor:
+              situ_linear_beta: float = 25.0, num_shared: int = 0) -> torch.Tensor:
     """The routed experts' weighted sum (module docstring). Inference only (no autograd).
 
-    x: [N, W]; w13: [E, 2I, W], rows 0..I-1 the gate projection w1, rows I..2I-1 the up projection w3; w2: [E, W, I]
-    (all one dtype: float32, bfloat16, float16, or float64 on the PyTorch path); topk_weights: [N, k] (used in
-    float32); topk_ids: [N, k] int32/int64, each in [0, E) (the Triton path ignores a pair whose id is outside,
-    the PyTorch path raises). activation: ``"silu"`` or ``"situ"`` with ``situ_beta`` (b), ``situ_linear_beta``
+    x: [N, W]; w13: [E + S, 2I, W], rows 0..I-1 the gate projection w1, rows I..2I-1 the up projection w3; w2:
+    [E + S, W, I] (all one dtype: float32, bfloat16, float16, or float64 on the PyTorch path); the last
+    S = ``num_shared`` experts are shared (every token, weight 1); topk_weights: [N, k] (used in float32);
+    topk_ids: [N, k] int32/int64, each in [0, E) (the Triton path ignores a pair whose id is outside, the PyTorch
+    path raises). activation: ``"silu"`` or ``"situ"`` with ``situ_beta`` (b), ``situ_linear_beta``
     (b_lin). Products accumulate in float32; the hidden ``glu(...)`` is rounded to x's dtype before the down
     projection, as in the layers. Returns [N, W] in x's dtype.
     """
-    check_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta)
+    check_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared)
     fast = triton_op("fused_moe", x) if x.dtype != torch.float64 else None
     if fast is None:
-        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta)
-    return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta)
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta,
+                               num_shared)
+    return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared=num_shared)
 
 
 def fused_moe_available(x: torch.Tensor) -> bool:
     """Whether :func:`fused_moe` on ``x`` runs the Triton kernels (capture-safe, no host sync) rather than the
     PyTorch path."""
     return x.dtype != torch.float64 and triton_op("fused_moe", x) is not None
+
+
+def sigmoid_topk_torch(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sigmoid_topk` in PyTorch (differentiable in ``logits``)."""
+    scores = logits.sigmoid()
+    idx = (scores + bias).topk(k, dim=-1)[1]
+    w = scores.gather(1, idx)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True).add_(1e-20)
+    return (w * scale if scale != 1.0 else w), idx
+
+
+def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sigmoid router's choice (module docstring): logits [N, E] float32 (or float64), bias [E] -> (weights
+    [N, k] in logits' dtype, expert ids [N, k] int64), the k experts in decreasing ``sigmoid(logit) + bias``.
+
+    On CUDA, when no gradient is needed, one Triton kernel (one program per token; on a GPU decode step the ~10
+    PyTorch kernels of sigmoid, add, top-k, gather, sum, divide, scale cost more than the work); else PyTorch."""
+    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"sigmoid_topk: logits must be float32 or float64 [N, E], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    E = logits.shape[1]
+    if tuple(bias.shape) != (E,) or not bias.is_floating_point():
+        raise ValueError(f"sigmoid_topk: bias must be a floating tensor [E={E}], got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= k <= E:
+        raise ValueError(f"sigmoid_topk: k must be in [1, E={E}], got {k}")
+    grad = torch.is_grad_enabled() and (logits.requires_grad or bias.requires_grad)
+    fast = None if grad or logits.dtype != torch.float32 else triton_op("sigmoid_topk", logits)
+    if fast is None:
+        return sigmoid_topk_torch(logits, bias, k, renormalize, scale)
+    return fast(logits, bias, k, renormalize, scale)

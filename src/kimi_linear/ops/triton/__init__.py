@@ -10,8 +10,9 @@ moe_gpu.py; BENCHMARKS.md).
 from .chunk import chunk_kda
 from .conv import short_conv
 from .mla_decode import paged_mla_decode
-from .moe import fused_moe
+from .moe import fused_moe, sigmoid_topk
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 
-__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "short_conv"]
+__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "short_conv",
+           "sigmoid_topk"]

@@ -1,19 +1,22 @@
 """Fused mixture of experts (:mod:`kimi_linear.ops.moe`) in Triton: grouped GEMMs over the (token, expert) pairs
 sorted by expert, with every shape fixed by (N, k, E), so a decode step can be captured in a CUDA graph.
 
-Pipeline (``M = N * k`` pairs; pair ``p = n * k + j`` is token n's j-th choice):
+Pipeline (``K = k + S`` pairs per token, S shared experts; ``M = N * K`` pairs; pair ``p = n * K + j`` is token
+n's j-th choice for j < k, its shared expert ``E + j - k`` after; :func:`pair_expert`):
 
-1. ``torch.sort`` of the M expert ids (stable): each expert's pairs become one segment, in pair order.
-2. align (one program): segment bounds, each segment padded to a multiple of ``BM`` slots, and ``slot_pair``
-   [P]: the pair in each slot, ``M`` for padding. Blocks of BM slots hold one expert's pairs each; a segment of
-   c pairs takes ceil(c / BM) blocks, so there are at most ``NB = ceil(M / BM) + min(E, M)`` blocks, and
+1. align (one program): counts of pairs per expert (``tl.histogram``), each expert's segment padded to a multiple
+   of ``BM`` slots, and ``slot_pair`` [P]: the pair in each slot, ``M`` for padding, placed by an atomic cursor
+   per expert (a counting sort: no ``torch.sort``, whose radix sort alone took 6-28 us a layer on the H200). The
+   order of pairs inside a segment is not fixed, and need not be: every output row of a block's products
+   depends on its own pair's row only. Blocks of BM slots hold one expert's pairs each; a segment of c pairs
+   takes ceil(c / BM) blocks, so there are at most ``NB = ceil(M / BM) + min(E + S, M)`` blocks, and
    ``P = NB * BM`` slots. Blocks past the real count hold only padding: their programs read the sentinel in the
-   first slot and exit, so the launch grids depend on (N, k, E) only and nothing is read on the host.
-3. gate/up: per block and BN1 columns of I, ``glu(x_rows @ w1[e]^T, x_rows @ w3[e]^T)`` with float32
+   first slot and exit, so the launch grids depend on (N, k, E, S) only and nothing is read on the host.
+2. gate/up: per block and BN1 columns of I, ``glu(x_rows @ w1[e]^T, x_rows @ w3[e]^T)`` with float32
    accumulators, the GLU in the epilogue in float32 -> ``h`` [P, I] in x's dtype (rounded there, as the layers do).
-4. down: per block and BN2 columns of W, ``h_rows @ w2[e]^T`` times each pair's routing weight -> ``y`` [M, W]
-   float32 at the pair's row.
-5. combine: ``out[n] = sum_j y[n * k + j]`` in a fixed order (deterministic, no atomics), cast to x's dtype.
+3. down: per block and BN2 columns of W, ``h_rows @ w2[e]^T`` times each pair's routing weight (1 for a shared
+   expert) -> ``y`` [M, W] float32 at the pair's row.
+4. combine: ``out[n] = sum_j y[n * K + j]`` in a fixed order (deterministic, no atomics), cast to x's dtype.
 
 Decoding is bound by reading the chosen experts' weights: a block reads its expert's weights once per column
 tile, so BM is chosen at or above the typical number of tokens per expert (:func:`moe_launch`), and the column
@@ -72,50 +75,46 @@ def moe_launch(N: int, k: int, E: int, W: int, I: int, dtype: torch.dtype) -> Mo
 
 
 @triton.jit
+def pair_expert(ids, p, m, K_TOP: tl.constexpr, K_ALL: tl.constexpr, E):
+    """Expert of pairs p (int, where m): token p // K_ALL's choice ``ids[n, j]`` for j = p % K_ALL < K_TOP (-1 if
+    outside [0, E), the routed experts), else its shared expert E + j - K_TOP; -1 where masked."""
+    n, j = p // K_ALL, p % K_ALL
+    m_r = m & (j < K_TOP)
+    b_e = tl.load(ids + n * K_TOP + j, mask=m_r, other=-1).to(tl.int32)
+    b_e = tl.where((b_e >= 0) & (b_e < E), b_e, -1)
+    return tl.where(m_r, b_e, tl.where(m, E + j - K_TOP, -1))
+
+
+@triton.jit
 def moe_align_kernel(
-    ids_sorted, order,      # [M] the expert ids sorted (stable), [M] the pair at each sorted position
-    tables,                 # scratch int32 [2, BE]
+    ids,                    # [N * k] routed expert ids, token-major
+    cursor,                 # scratch int32 [BE]
     slot_pair,              # out: int32 [P], the pair in each slot, M for padding
-    M, P, E,
-    BM: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr,
+    M, P, E, E_ALL,
+    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr,
 ):
-    """One program. Sorted position i of expert e goes to slot ``i + shift_e`` with ``shift_e = pstart_e -
-    start_e`` (pstart: exclusive cumsum of the padded segment lengths). Ids outside [0, E) are left out. The
-    barriers order the global writes and reads of the program's threads between phases; the loads of what this
-    program wrote are volatile (never served from a non-coherent cache)."""
+    """One program (module docstring, step 1). Routed ids outside [0, E) are left out (counted in bin BE - 1,
+    which no expert uses: BE > E_ALL). The barrier orders the cursor's plain stores before the atomics of other
+    threads."""
     o_e = tl.arange(0, BE)
-    p_start, p_end = tables + o_e, tables + BE + o_e
-    tl.store(p_start, tl.zeros([BE], dtype=tl.int32))
-    tl.store(p_end, tl.zeros([BE], dtype=tl.int32))
+    b_count = tl.zeros([BE], dtype=tl.int32)
+    for i0 in range(0, M, BS):
+        o_i = i0 + tl.arange(0, BS)
+        b_e = pair_expert(ids, o_i, o_i < M, K_TOP, K_ALL, E)                          # [BS]
+        b_count += tl.histogram(tl.where(b_e >= 0, b_e, BE - 1), BE)
+    b_count = tl.where(o_e < E_ALL, b_count, 0)
+    b_pad = (b_count + BM - 1) // BM * BM
+    tl.store(cursor + o_e, tl.cumsum(b_pad, 0) - b_pad)                                 # each segment's first slot
     for s0 in range(0, P, BS):
         o_s = s0 + tl.arange(0, BS)
         tl.store(slot_pair + o_s, tl.zeros([BS], dtype=tl.int32) + M, mask=o_s < P)
     tl.debug_barrier()
-    # segment [start_e, end_e) of each expert present: where the sorted id changes
     for i0 in range(0, M, BS):
         o_i = i0 + tl.arange(0, BS)
-        m_i = o_i < M
-        b_e = tl.load(ids_sorted + o_i, mask=m_i, other=-1)                               # [BS]
-        b_prev = tl.load(ids_sorted + o_i - 1, mask=m_i & (o_i > 0), other=-1)
-        b_next = tl.load(ids_sorted + o_i + 1, mask=o_i + 1 < M, other=-1)
-        m_e = m_i & (b_e >= 0) & (b_e < E)
-        tl.store(tables + b_e, o_i, mask=m_e & (b_e != b_prev))
-        tl.store(tables + BE + b_e, o_i + 1, mask=m_e & (b_e != b_next))
-    tl.debug_barrier()
-    b_start = tl.load(p_start, volatile=True)                                              # [BE]
-    b_pad = (tl.load(p_end, volatile=True) - b_start + BM - 1) // BM * BM
-    b_shift = tl.cumsum(b_pad, 0) - b_pad - b_start
-    tl.debug_barrier()                                                                     # all read before the write
-    tl.store(p_end, b_shift)
-    tl.debug_barrier()
-    for i0 in range(0, M, BS):
-        o_i = i0 + tl.arange(0, BS)
-        m_i = o_i < M
-        b_e = tl.load(ids_sorted + o_i, mask=m_i, other=-1)
-        m_e = m_i & (b_e >= 0) & (b_e < E)
-        b_slot = o_i + tl.load(tables + BE + b_e, mask=m_e, other=0, volatile=True)
-        b_pair = tl.load(order + o_i, mask=m_e, other=0).to(tl.int32)
-        tl.store(slot_pair + b_slot, b_pair, mask=m_e)
+        b_e = pair_expert(ids, o_i, o_i < M, K_TOP, K_ALL, E)
+        m_e = b_e >= 0
+        b_slot = tl.atomic_add(cursor + b_e, tl.zeros([BS], dtype=tl.int32) + 1, mask=m_e)
+        tl.store(slot_pair + b_slot, o_i, mask=m_e)
 
 
 @triton.jit
@@ -152,22 +151,22 @@ def glu(b_g, b_u, beta, linear_beta, SITU: tl.constexpr):
 
 @triton.jit
 def moe_gate_up_kernel(
-    x, w13, slot_pair, ids,            # [N, W], [E, 2I, W] (strides s_we, s_wn, s_wk), [P] int32, [M] expert ids
+    x, w13, slot_pair, ids,            # [N, W], [E + S, 2I, W] (strides s_we, s_wn, s_wk), [P] int32, [N * k] ids
     h,                                 # out: [P, I] in x's dtype, rows of padding slots untouched
-    M, W, I, K_TOP, NT, s_xn, s_we, s_wn, s_wk, beta, linear_beta,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    SITU: tl.constexpr,
+    M, W, I, E, NT, s_xn, s_we, s_wn, s_wk, beta, linear_beta,
+    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SITU: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     i_b, i_n = i_p // NT, i_p % NT
     first = tl.load(slot_pair + i_b * BM)
     if first >= M:                                                      # a block past the real ones
         return
-    i_e = tl.load(ids + first).to(tl.int64)
+    i_e = pair_expert(ids, first, first >= 0, K_TOP, K_ALL, E).to(tl.int64)
     o_m = i_b * BM + tl.arange(0, BM)
     b_pair = tl.load(slot_pair + o_m)                                   # [BM]
     m_m = b_pair < M
-    b_tok = tl.where(m_m, b_pair // K_TOP, 0).to(tl.int64)
+    b_tok = tl.where(m_m, b_pair // K_ALL, 0).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = (o_n < I) | EVEN_N
     o_k = tl.arange(0, BK)
@@ -193,17 +192,18 @@ def moe_gate_up_kernel(
 
 @triton.jit
 def moe_down_kernel(
-    h, w2, slot_pair, ids, topk_weights,   # [P, I], [E, W, I] (strides s_we, s_wn, s_wk), [P], [M], [M] float32
+    h, w2, slot_pair, ids, topk_weights,   # [P, I], [E + S, W, I] (strides s_we, s_wn, s_wk), [P], [N * k] x 2
     y,                                     # out: [M, W] float32, each pair's weighted expert output
-    M, W, I, NT, s_we, s_wn, s_wk,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    M, W, I, E, NT, s_we, s_wn, s_wk,
+    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     i_b, i_n = i_p // NT, i_p % NT
     first = tl.load(slot_pair + i_b * BM)
     if first >= M:
         return
-    i_e = tl.load(ids + first).to(tl.int64)
+    i_e = pair_expert(ids, first, first >= 0, K_TOP, K_ALL, E).to(tl.int64)
     o_m = i_b * BM + tl.arange(0, BM)
     b_pair = tl.load(slot_pair + o_m)                                   # [BM]
     m_m = b_pair < M
@@ -220,67 +220,119 @@ def moe_down_kernel(
         b_acc = mma(b_h, b_w, b_acc)
         p_h += BK
         p_w += BK * s_wk
-    b_r = tl.load(topk_weights + b_pair, mask=m_m, other=0.0)                                   # [BM]
+    b_n, b_j = b_pair // K_ALL, b_pair % K_ALL
+    b_r = tl.load(topk_weights + b_n * K_TOP + b_j, mask=m_m & (b_j < K_TOP), other=1.0)        # [BM] 1: shared
     p_y = y + b_pair[:, None].to(tl.int64) * W + o_n[None, :]
     tl.store(p_y, b_acc * b_r[:, None], mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
 def moe_combine_kernel(
-    y, ids,                  # [N * k, W] float32, [N * k] expert ids
+    y, ids,                  # [N * K, W] float32, [N * k] routed expert ids
     out,                     # out: [N, W] in x's dtype
     W, E,
-    K_TOP: tl.constexpr, BW: tl.constexpr,
+    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr,
 ):
-    """``out[n] = sum_j y[n k + j]`` over j in order; a pair whose id is outside [0, E) (never computed) adds 0."""
+    """``out[n] = sum_j y[n K + j]`` over j in order (shared experts last); a routed pair whose id is outside
+    [0, E) (never computed) adds 0."""
     i_t, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
     m_w = o_w < W
     b_o = tl.zeros([BW], dtype=tl.float32)
-    for j in tl.static_range(K_TOP):
-        b_e = tl.load(ids + i_t * K_TOP + j + o_w * 0)                  # [BW] the pair's id, broadcast
-        b_o += tl.load(y + (i_t * K_TOP + j) * W + o_w, mask=m_w & (b_e >= 0) & (b_e < E), other=0.0)
+    for j in tl.static_range(K_ALL):
+        if j < K_TOP:
+            b_e = tl.load(ids + i_t * K_TOP + j + o_w * 0)              # [BW] the pair's id, broadcast
+            m_j = (b_e >= 0) & (b_e < E)
+        else:
+            m_j = o_w >= 0
+        b_o += tl.load(y + (i_t * K_ALL + j) * W + o_w, mask=m_w & m_j, other=0.0)
     tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-              situ_linear_beta: float = 25.0, launch: MoELaunch | None = None) -> torch.Tensor:
+              situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0) -> torch.Tensor:
     """Triton ``fused_moe``: same contract as :func:`kimi_linear.ops.fused_moe` (arguments checked there). No host
-    synchronisation; every allocation and grid depends on (N, k, E) and the weight shapes only. ``launch``
+    synchronisation; every allocation and grid depends on (N, k, E, S) and the weight shapes only. ``launch``
     overrides :func:`moe_launch` (benchmarks)."""
     N, W = x.shape
-    E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
-    M = N * k
+    E_all, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    E, K = E_all - num_shared, k + num_shared
+    M = N * K
     out = torch.empty(N, W, dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    cfg = launch or moe_launch(N, k, E, W, I, x.dtype)
+    cfg = launch or moe_launch(N, K, E_all, W, I, x.dtype)
     BM = cfg.BM
-    NB = triton.cdiv(M, BM) + min(E, M)
+    NB = triton.cdiv(M, BM) + min(E_all, M)
     P = NB * BM
     x = x if x.stride(1) == 1 else x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.stride(0) == 1 else ids.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    ids_sorted, order = torch.sort(ids, stable=True)
-    BE = triton.next_power_of_2(E + 1)
-    tables = torch.empty(2 * BE, dtype=torch.int32, device=x.device)
+    BE = triton.next_power_of_2(E_all + 1)
+    cursor = torch.empty(BE, dtype=torch.int32, device=x.device)
     slot_pair = torch.empty(P, dtype=torch.int32, device=x.device)
-    moe_align_kernel[(1,)](ids_sorted, order, tables, slot_pair, M, P, E, BM=BM, BE=BE, BS=1024, num_warps=4)
+    moe_align_kernel[(1,)](ids, cursor, slot_pair, M, P, E, E_all, K_TOP=k, K_ALL=K, BM=BM, BE=BE, BS=256,
+                           num_warps=4)
 
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     NT1 = triton.cdiv(I, cfg.BN1)
     moe_gate_up_kernel[(NB * NT1,)](
-        x, w13, slot_pair, ids, h, M, W, I, k, NT1, x.stride(0), *w13.stride(), float(situ_beta),
-        float(situ_linear_beta), BM=BM, BN=cfg.BN1, BK=cfg.BK1, EVEN_K=W % cfg.BK1 == 0, EVEN_N=I % cfg.BN1 == 0,
-        SITU=activation == "situ", num_warps=cfg.warps1, num_stages=cfg.stages1,
+        x, w13, slot_pair, ids, h, M, W, I, E, NT1, x.stride(0), *w13.stride(), float(situ_beta),
+        float(situ_linear_beta), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN1, BK=cfg.BK1, EVEN_K=W % cfg.BK1 == 0,
+        EVEN_N=I % cfg.BN1 == 0, SITU=activation == "situ", num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     y = torch.empty(M, W, dtype=torch.float32, device=x.device)
     NT2 = triton.cdiv(W, cfg.BN2)
     moe_down_kernel[(NB * NT2,)](
-        h, w2, slot_pair, ids, weights, y, M, W, I, NT2, *w2.stride(), BM=BM, BN=cfg.BN2, BK=cfg.BK2,
-        EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, num_warps=cfg.warps2, num_stages=cfg.stages2,
+        h, w2, slot_pair, ids, weights, y, M, W, I, E, NT2, *w2.stride(), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN2,
+        BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     BW = min(1024, triton.next_power_of_2(W))
-    moe_combine_kernel[(N, triton.cdiv(W, BW))](y, ids, out, W, E, K_TOP=k, BW=BW, num_warps=4)
+    moe_combine_kernel[(N, triton.cdiv(W, BW))](y, ids, out, W, E, K_TOP=k, K_ALL=K, BW=BW, num_warps=4)
     return out
+
+
+@triton.jit
+def sigmoid_topk_kernel(
+    logits, bias,            # [N, E] float32, [E] float32
+    weights, ids,            # out: [N, K_TOP] float32, [N, K_TOP] int64
+    E, scale,
+    K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr,
+):
+    """One token per program: the K_TOP largest ``sigmoid(logit) + bias`` in decreasing order (first index on a
+    tie), by K_TOP passes of max / argmin-index / knock-out over the row held in registers."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_s = tl.sigmoid(tl.load(logits + i_n * E + o_e, mask=m_e, other=0.0))                  # [BE]
+    b_c = tl.where(m_e, b_s + tl.load(bias + o_e, mask=m_e, other=0.0), float("-inf"))      # [BE]
+    o_k = tl.arange(0, BK)
+    b_w = tl.zeros([BK], dtype=tl.float32)
+    b_i = tl.zeros([BK], dtype=tl.int32)
+    for j in tl.static_range(K_TOP):
+        b_best = tl.min(tl.where(b_c == tl.max(b_c, 0), o_e, BE), 0)                       # first index of the max
+        b_w = tl.where(o_k == j, tl.sum(tl.where(o_e == b_best, b_s, 0.0), 0), b_w)
+        b_i = tl.where(o_k == j, b_best, b_i)
+        b_c = tl.where(o_e == b_best, float("-inf"), b_c)
+    if RENORM:
+        b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
+    m_k = o_k < K_TOP
+    tl.store(weights + i_n * K_TOP + o_k, b_w * scale, mask=m_k)
+    tl.store(ids + i_n * K_TOP + o_k, b_i.to(tl.int64), mask=m_k)
+
+
+def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`kimi_linear.ops.moe.sigmoid_topk` (arguments checked there): (weights [N, k] float32, ids
+    [N, k] int64)."""
+    N, E = logits.shape
+    logits = logits if logits.stride(1) == 1 and logits.stride(0) == E else logits.contiguous()
+    weights = torch.empty(N, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
+    if N:
+        sigmoid_topk_kernel[(N,)](logits, bias.float().contiguous(), weights, ids, E, float(scale), K_TOP=k,
+                                  BK=triton.next_power_of_2(k), BE=triton.next_power_of_2(E), RENORM=renormalize,
+                                  num_warps=1 if E <= 256 else 4)
+    return weights, ids
