@@ -342,9 +342,11 @@ def run_sweep() -> None:
     for B, L in S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
         chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
-        base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0])
+        base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0],
+                                      tri.LONG_PER_SM if chosen == tri.LAUNCH_LONG else tri.PROGRAMS_PER_SM)
         for BH, BN, nw, ns in configs:
-            base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH)
+            base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH,
+                                             tri.LONG_PER_SM if BH == 32 else tri.PROGRAMS_PER_SM)
             for splits in sorted({max(1, base_bh // 2), base_bh, 2 * base_bh}):
                 try:
                     fn = lambda: tri.paged_mla_decode(*c.args(), num_splits=splits, block_h=BH, block_n=BN,

@@ -42,6 +42,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
 LAUNCH_LONG = (32, 64, 8, 2)                        # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys
 LONG_SPLIT_KEYS = 1024
+LONG_PER_SM = 1         # one [32, 64] program per SM fills it (128 rows x 4k: 1 split, no merge pass; 2 were slower)
 MERGE_BV = 128          # channels per merge program
 MERGE_BS = 16           # splits merged per step of the merge loop
 
@@ -187,10 +188,10 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int, sms: int,
-                       block_h: int = 16) -> int:
+                       block_h: int = 16, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Splits per row from static shapes only (a CUDA graph fixes the grid; the lengths live on the device).
 
-    Enough split programs for about PROGRAMS_PER_SM per SM (batch * head blocks * splits), and enough splits that a
+    Enough split programs for about ``per_sm`` per SM (batch * head blocks * splits), and enough splits that a
     row as long as the table allows is cut into pieces of at most MAX_SPLIT_KEYS keys (so one long row among short
     ones does not finish long after them) while that keeps the launch under LONG_ROW_PROGRAMS_PER_SM programs per
     SM; but no piece shorter than MIN_SPLIT_KEYS keys of that longest row, and at most MAX_SPLITS. A row's keys
@@ -202,7 +203,7 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
     programs = max(1, batch * triton.cdiv(heads, block_h))
     max_len = max_blocks * block_size
     long_row = min(triton.cdiv(max_len, MAX_SPLIT_KEYS), max(1, (LONG_ROW_PROGRAMS_PER_SM * sms) // programs))
-    want = max((PROGRAMS_PER_SM * sms) // programs, long_row, 1)
+    want = max((per_sm * sms) // programs, long_row, 1)
     most = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
     return min(want, most, MAX_SPLITS)
 
@@ -212,7 +213,7 @@ def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, blo
     """(BH, BN, num_warps, num_stages) from static shapes: :data:`LAUNCH_LONG` for 16-bit pools when its split
     count leaves pieces of at least LONG_SPLIT_KEYS keys of a full-length row, else :data:`LAUNCH`."""
     if element_size == 2:
-        splits = default_num_splits(batch, heads, max_blocks, block_size, sms, LAUNCH_LONG[0])
+        splits = default_num_splits(batch, heads, max_blocks, block_size, sms, LAUNCH_LONG[0], LONG_PER_SM)
         if max_blocks * block_size >= LONG_SPLIT_KEYS * splits:
             return LAUNCH_LONG
     return LAUNCH[element_size]
@@ -234,7 +235,8 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     q, seq_lens = q.contiguous(), seq_lens.contiguous()
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    NS = num_splits or default_num_splits(B, H, MB, BS, num_sms(q.device), BH)
+    per_sm = LONG_PER_SM if (BH, BN, warps) == LAUNCH_LONG[:3] else PROGRAMS_PER_SM
+    NS = num_splits or default_num_splits(B, H, MB, BS, num_sms(q.device), BH, per_sm)
     o = torch.empty(B, H, C, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
     if B == 0 or H == 0:
