@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kimi_linear.ops.norm import gated_rms_norm, upcast
+from kimi_linear.ops.rms_norm import add_rms_norm, rms_norm
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "upcast"]
 
@@ -16,6 +18,7 @@ class RMSNorm(nn.Module):
 
     The normalisation runs in float32 and is cast back to the input dtype *before* the weight multiply, which is
     what the published checkpoints were trained with (and what transformers does), so bf16 logits match.
+    (:func:`kimi_linear.ops.rms_norm.rms_norm`: one Triton kernel on CUDA when no gradient is needed.)
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -23,13 +26,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden_size] -> same shape and dtype."""
-        # F.rms_norm is the same formula (x * rsqrt(mean(x^2) + eps)) in one fused op: decoding is dominated by
-        # per-op overhead, and a norm runs twice per layer. When nothing is cast, the weight goes in too.
-        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
-        return self.weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., hidden_size] -> same shape and dtype.
+
+        With ``residual`` (x's shape): the residual add fused in front, ``s = residual + x``; returns
+        ``(norm(s), s)`` (:func:`kimi_linear.ops.rms_norm.add_rms_norm`, one kernel instead of an add and a norm).
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        s, y = add_rms_norm(residual, x, self.weight, self.eps)
+        return y, s
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

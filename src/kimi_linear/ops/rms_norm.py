@@ -1,0 +1,72 @@
+"""RMSNorm of the residual stream, and the residual add fused with it (SPEC section 4: pre-norm decoder layers).
+
+    n = x / sqrt(mean(x^2) + eps)            in float32
+    y = weight * n.to(x.dtype)               (16-bit x: the cast comes *before* the weight multiply, as the
+                                              published checkpoints were trained and as transformers does)
+    add_rms_norm(x, delta) = (s, rms_norm(s))   with s = x + delta rounded to the dtype as torch's add does
+
+On CUDA tensors, when no gradient is needed, both run the Triton kernels of :mod:`kimi_linear.ops.triton.rms_norm`
+(one kernel for the norm, one for add + norm, instead of 4 and 5 PyTorch kernels: a decode step is dominated by
+per-kernel overhead); this module is the PyTorch path, the training path and the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import triton_op
+from .norm import upcast
+
+# dtypes the kernels handle (their math is float32); float64 stays on the PyTorch path
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """A ValueError naming the argument whose shape or device does not fit."""
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight must be [x.shape[-1]] for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device}, x on {x.device}")
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` in PyTorch."""
+    # F.rms_norm is the formula in one fused op; when nothing is cast, the weight goes in too.
+    if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    return weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _kernel(x: torch.Tensor, weight: torch.Tensor, name: str, *others: torch.Tensor):
+    """The Triton op ``name`` when it may run: CUDA, kernel dtypes, and no gradient to track (the kernels have no
+    backward; training keeps the PyTorch path); else None."""
+    if x.numel() == 0 or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *others)):
+        return None
+    return triton_op(name, x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: [..., D], weight: [D] -> [..., D] (module docstring) in ``torch.promote_types(weight.dtype, x.dtype)``
+    (x's dtype when they match). Differentiable (through the PyTorch path)."""
+    check_rms_norm_inputs(x, weight)
+    fast = _kernel(x, weight, "rms_norm")
+    return fast(x, weight, eps) if fast is not None else rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: ``(s, rms_norm(s, weight))`` with ``s = x + delta``; x, delta:
+    [..., D] of one shape. Returns s (x's dtype when delta's matches, else torch's promotion) and the norm as
+    :func:`rms_norm` gives it."""
+    check_rms_norm_inputs(x, weight)
+    if delta.shape != x.shape or delta.device != x.device:
+        raise ValueError(f"add_rms_norm: delta must be x's shape {tuple(x.shape)} on {x.device}, got "
+                         f"{tuple(delta.shape)} on {delta.device}")
+    fast = _kernel(x, weight, "add_rms_norm", delta) if delta.dtype == x.dtype else None
+    if fast is not None:
+        return fast(x, delta, weight, eps)
+    s = x + delta
+    return s, rms_norm_torch(s, weight, eps)
