@@ -137,6 +137,39 @@ def test_kda_layer_with_triton_conv_and_norm(kda, monkeypatch):
         assert rel_err(got[2][n], g) < 1e-4, n
 
 
+
+def test_kda_pooled_decode_with_triton_conv_decode(kda, monkeypatch):
+    """Decode steps on a pool of states (PooledKDAState, as the fixed-shape decode step runs them): with the
+    conv's gather / conv / write-back dispatched to the one decode kernel (interpreter) they give the PyTorch
+    path's outputs and pool rows; rows in shuffled slots, two padding rows on one scratch slot."""
+    import kimi_linear.ops.conv as conv_op
+    from kimi_linear.layers import PooledKDAState
+    from kimi_linear.ops.triton.conv import short_conv_decode as tri_decode
+
+    pytest.importorskip("triton")
+    x = torch.randn(3, 12, 48, generator=torch.Generator().manual_seed(8))
+    index = torch.tensor([4, 1, 0, 5, 5])                   # rows 0-2 live, rows 3-4 padding on scratch slot 5
+    xs = torch.cat([x, torch.randn(2, 12, 48)], 0)
+
+    def run():
+        prefill = kda.empty_state(3, torch.float32, torch.device("cpu"))
+        pool = kda.empty_state(6, torch.float32, torch.device("cpu"))
+        with torch.no_grad():
+            kda(x[:, :8], prefill)
+            pool.conv[index[:3]], pool.recurrent[index[:3]] = prefill.conv, prefill.recurrent
+            state = PooledKDAState(pool.conv, pool.recurrent, index)
+            out = torch.cat([kda(xs[:, t:t + 1], state) for t in range(8, 12)], 1)
+        return out[:3], pool.conv[:5].clone(), pool.recurrent[:5].clone()
+
+    ref = run()
+    monkeypatch.setattr(conv_op, "triton_op", lambda name, x: tri_decode if name == "short_conv_decode" else None)
+    got = run()
+    assert rel_err(got[0], ref[0]) < 1e-5
+    assert torch.equal(got[1], ref[1]) and rel_err(got[2], ref[2]) < 1e-5
+    with torch.no_grad():                                   # and the pooled steps continue the prefill exactly
+        assert rel_err(got[0], kda(x)[:, 8:]) < 1e-5
+
+
 def test_rmsnorm_formula():
     m = randomize(RMSNorm(32, eps=1e-5), seed=6)
     x = torch.randn(4, 32)

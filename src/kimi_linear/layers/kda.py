@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
-from kimi_linear.ops.conv import short_conv_varlen
+from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
@@ -42,10 +42,11 @@ class PooledKDAState:
     """A batch's KDA states living in rows of a serving pool, read and written in place (no gathered copy).
 
     conv_pool: [slots, W-1, 3*H*d]; rec_pool: [slots, H, d, d] float32; index: [B] int64 pool row of each batch row.
-    The one-token step gathers the conv windows (a few KB a row) but updates the recurrent memory (H*d*d*4 bytes,
-    2 MiB a row for Kimi-Linear-48B) inside the decode kernel through ``state_indices``: a gather and a scatter of
-    it would triple the bytes a decode step moves. Rows may share an index only where the row is padding (the
-    pool's scratch row): their writes race and the result there is never read.
+    The one-token step updates the recurrent memory (H*d*d*4 bytes, 2 MiB a row for Kimi-Linear-48B) inside the
+    decode kernel through ``state_indices``: a gather and a scatter of it would triple the bytes a decode step
+    moves. The conv windows (a few KB a row) are shifted in place the same way (:func:`short_conv_decode`: one
+    kernel on CUDA instead of a gather, the conv and a scatter). Rows may share an index only where the row is
+    padding (the pool's scratch row): their writes race and the result there is never read.
     """
 
     conv_pool: torch.Tensor
@@ -153,6 +154,9 @@ class KimiDeltaAttention(nn.Module):
             y, windows = short_conv_varlen(x, self._conv_weight(x.dtype), past, cu_seqlens)
             state.conv_pool.index_copy_(0, state.index, windows.to(state.conv_pool.dtype))
             return y
+        if isinstance(state, PooledKDAState) and x.shape[1] == 1 and pos is None and prev is None:
+            # the decode step: gather, conv and write-back of the windows in one kernel on CUDA
+            return short_conv_decode(x, self._conv_weight(x.dtype), state.conv_pool, state.index)
         past = prev if prev is not None else state.conv if state is not None else None
         y, window = short_conv(x, self._conv_weight(x.dtype), past, pos)
         if state is not None:

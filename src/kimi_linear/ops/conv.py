@@ -108,3 +108,46 @@ def short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor,
     ends = starts + ext                                                            # [N] one past each extension
     last = ends[:, None] - Wm1 + torch.arange(Wm1, device=x.device)[None]          # [N, W-1] last W-1 rows
     return y[:, is_new], full[0, last]
+
+
+def check_short_conv_decode_inputs(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                                   index: torch.Tensor) -> None:
+    """Shapes, dtypes and devices of :func:`short_conv_decode`'s arguments; a ValueError names the one that is off."""
+    if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] != 1):
+        raise ValueError(f"short_conv_decode: x must be [B, C] or [B, 1, C], got shape {tuple(x.shape)}")
+    B, C = x.shape[0], x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != C or weight.shape[0] < 1:
+        raise ValueError(f"short_conv_decode: weight must be [W, C={C}], got shape {tuple(weight.shape)}")
+    W = weight.shape[0]
+    if conv_pool.dim() != 3 or conv_pool.shape[1:] != (W - 1, C):
+        raise ValueError(f"short_conv_decode: conv_pool must be [slots, W-1={W - 1}, C={C}], got shape "
+                         f"{tuple(conv_pool.shape)}")
+    if index.shape != (B,) or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"short_conv_decode: index must be an int32/int64 tensor [B={B}], got {index.dtype} "
+                         f"{tuple(index.shape)}")
+    for name, t in (("weight", weight), ("conv_pool", conv_pool), ("index", index)):
+        if t.device != x.device:
+            raise ValueError(f"short_conv_decode: {name} is on {t.device}, x on {x.device}")
+
+
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                      index: torch.Tensor) -> torch.Tensor:
+    """One token of :func:`short_conv` per row, with the windows living in a pool that is updated in place.
+
+    x: [B, C] or [B, 1, C] (may be a slice of a packed projection); weight: [W, C]; conv_pool: [slots, W-1, C] the
+    last W - 1 inputs of each slot; index: [B] the slot of each row. Returns y in x's shape and dtype; afterwards
+    ``conv_pool[index[b]]`` holds the last W - 1 inputs including x_b. Rows may share a slot only where they are
+    padding (a scratch slot): their writes race and what ends up there is never read.
+
+    On CUDA, when no gradient is needed, one Triton kernel does the gather, the convolution and the write-back
+    (PyTorch: index_select, the conv, the next window, index_copy_); this path is the reference and the fallback.
+    """
+    check_short_conv_decode_inputs(x, weight, conv_pool, index)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    fast = None if grad or x.shape[0] == 0 else triton_op("short_conv_decode", x)
+    if fast is not None and conv_pool.stride(2) == 1 and conv_pool.stride(1) == x.shape[-1]:
+        return fast(x, weight, conv_pool, index)
+    past = conv_pool.index_select(0, index)
+    y, window = short_conv(x.reshape(x.shape[0], 1, x.shape[-1]), weight, past)
+    conv_pool.index_copy_(0, index, window.to(conv_pool.dtype))
+    return y.view(x.shape)

@@ -1,18 +1,22 @@
-"""Triton kernels on CUDA: KDA (chunked and recurrent), its short convolution and gated output norm, the paged MLA
-decode attention and the fused MoE. :mod:`kimi_linear.ops.backend` dispatches CUDA tensors to what this module
-exports; dropping a name here sends its callers to the PyTorch path.
+"""Triton kernels on CUDA: KDA (chunked and recurrent), its short convolution (and its in-place decode step) and
+gated output norm, the residual stream's RMSNorm (and residual add), the paged MLA decode attention and the fused
+MoE. :mod:`kimi_linear.ops.backend` dispatches CUDA tensors to what this module exports; dropping a name here sends
+its callers to the PyTorch path.
 
 Imports cleanly without a GPU (the tests run the kernels under ``TRITON_INTERPRET=1`` on CPU tensors). Each kernel
 is checked at full size on an H200 by its bench script (kda_kernels.py, kda_layer.py, mla_decode_gpu.py,
-moe_gpu.py; BENCHMARKS.md).
+moe_gpu.py, fused_small_gpu.py; BENCHMARKS.md).
 """
 
 from .chunk import chunk_kda
-from .conv import short_conv
+from .conv import short_conv, short_conv_decode
 from .mla_decode import paged_mla_decode
 from .moe import fused_moe, sigmoid_topk
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
+from .rms_norm import add_rms_norm, rms_norm
 
-__all__ = ["chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "short_conv",
-           "sigmoid_topk"]
+__all__ = [
+    "add_rms_norm", "chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_mla_decode", "rms_norm",
+    "short_conv", "short_conv_decode", "sigmoid_topk",
+]

@@ -5,6 +5,9 @@ backward keeps every intermediate. Here the forward reads x once (the W shifted 
 L1) and writes y; the backward recomputes the pre-activation and writes dx (and dpast) and per-program partial
 sums of dw, so training keeps nothing but x.
 
+:func:`short_conv_decode` is the one-token step straight on a pool of windows (a serving engine's slots): it
+reads each row's window through its slot index, and shifts the new input into it in place.
+
 Indices: ``full = [past; x]`` has W - 1 + T rows; output t reads full rows t .. t + W - 1 (tap j at full row
 t + j, the input W - 1 - j steps back), dropped with ``pos`` when ``pos_t < W - 1 - j``.
 """
@@ -107,16 +110,46 @@ def short_conv_bwd_kernel(
                  mask=(s < 0)[:, None] & m_c[None, :])
 
 
+@triton.jit
+def short_conv_decode_kernel(
+    x, w, pool, index,                # [B, C] (row stride sx), [W, C], [slots, W-1, C] (slot stride sp), [B] int64
+    y,                                # out: [B, C] contiguous, x's dtype
+    C, sx, sp,
+    W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+):
+    """One token of each row: ``full = [pool[index[b]]; x_b]`` (W rows), ``y_b = silu(sum_j w_j full_j)``, and
+    pool row ``index[b]`` becomes ``full[1:]``. A program owns (row, channel block): it reads the whole window,
+    then (after a barrier, because the shifted rows live in other threads) writes it back shifted by one."""
+    i_b, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = (o_c < C)[None, :]
+    r = tl.arange(0, WP)[:, None]                                          # [WP, 1] rows of full
+    p_win = pool + tl.load(index + i_b).to(tl.int64) * sp + o_c[None, :]   # the row's window, [.., BC]
+    b_full = tl.load(p_win + r * C, mask=(r < W - 1) & m_c, other=0.0).to(tl.float32)          # [WP, BC]
+    b_x = tl.load(x + i_b * sx + o_c, mask=o_c < C, other=0.0).to(tl.float32)                  # [BC]
+    b_full = tl.where(r == W - 1, b_x[None, :], b_full)
+    b_w = tl.load(w + r * C + o_c[None, :], mask=(r < W) & m_c, other=0.0).to(tl.float32)
+    b_z = tl.sum(b_full * b_w, 0)                                          # [BC]
+    tl.store(y + i_b * C + o_c, (b_z * tl.sigmoid(b_z)).to(y.dtype.element_ty), mask=o_c < C)
+    tl.debug_barrier()                     # every thread's window read is done before any row is overwritten
+    tl.store(p_win + (r - 1) * C, b_full.to(pool.dtype.element_ty), mask=(r >= 1) & (r < W) & m_c)
+
+
 # [32, 64] tiles: the backward holds about five float32 tiles at once; with 128 channels it spilled (offline sm_90
 # build: 255 registers, 32-432 bytes of stack), with 64 it takes 136-214 registers and none. Not yet GPU-tuned.
+# Short calls (a handful of rows) take fewer rows per tile and as many more channels, so a tile holds no more
+# elements (same registers) and no program spends 31 of its 32 rows on nothing.
 BT_ROWS = 32
 BC_CHANNELS = 64
+BC_MAX = 512
 
 
 def launch_shape(x: torch.Tensor, rows: int) -> tuple[int, int, tuple[int, int, int]]:
+    """(BT, BC, grid) for ``rows`` rows per batch row: BT the next power of two of rows, capped at BT_ROWS."""
     B, _, C = x.shape
-    BC = min(BC_CHANNELS, triton.next_power_of_2(C))
-    return BT_ROWS, BC, (triton.cdiv(rows, BT_ROWS), triton.cdiv(C, BC), B)
+    BT = min(BT_ROWS, triton.next_power_of_2(max(rows, 1)))
+    BC = min(max(BC_CHANNELS, BT_ROWS * BC_CHANNELS // BT), BC_MAX, triton.next_power_of_2(C))
+    return BT, BC, (triton.cdiv(rows, BT), triton.cdiv(C, BC), B)
 
 
 class ShortConvFunction(torch.autograd.Function):
@@ -159,3 +192,27 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None 
                pos: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`kimi_linear.ops.conv.short_conv`'s output (arguments checked there): [B, T, C] in x's dtype."""
     return ShortConvFunction.apply(x, weight, past, pos)
+
+
+# channels per decode program: T = 1 has no row dimension to fill a tile, so a program takes a wide channel block
+# (a row of Kimi-Linear-48B's q|k|v is 12,288 channels: 24 programs per row). Not yet GPU-tuned.
+BC_DECODE = 512
+
+
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                      index: torch.Tensor) -> torch.Tensor:
+    """:func:`kimi_linear.ops.conv.short_conv_decode` (arguments checked there): y in x's shape and dtype; updates
+    conv_pool in place. Forward only."""
+    B, C = x.shape[0], x.shape[-1]
+    x2 = x.reshape(B, C)                     # a view for [B, 1, C] slices of a packed projection
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    weight = weight.contiguous()
+    W = weight.shape[0]
+    y = torch.empty(B, C, dtype=x.dtype, device=x.device)
+    BC = min(BC_DECODE, triton.next_power_of_2(C))
+    short_conv_decode_kernel[(B, triton.cdiv(C, BC))](
+        x=x2, w=weight, pool=conv_pool, index=index, y=y, C=C, sx=x2.stride(0), sp=conv_pool.stride(0), W=W,
+        WP=triton.next_power_of_2(W), BC=BC, num_warps=4,
+    )
+    return y.view(x.shape)
