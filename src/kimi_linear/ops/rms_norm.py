@@ -41,11 +41,12 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def _kernel(x: torch.Tensor, weight: torch.Tensor, name: str, *others: torch.Tensor):
     """The Triton op ``name`` when it may run: CUDA, kernel dtypes, and no gradient to track (the kernels have no
     backward; training keeps the PyTorch path); else None."""
-    if x.numel() == 0 or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
+    fast = triton_op(name, x)        # first: it answers None for a CPU tensor at once (CPU decoding pays per check)
+    if fast is None or x.numel() == 0 or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *others)):
         return None
-    return triton_op(name, x)
+    return fast
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
