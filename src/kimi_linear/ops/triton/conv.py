@@ -212,7 +212,7 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
     y = torch.empty(B, C, dtype=x.dtype, device=x.device)
     BC = min(BC_DECODE, triton.next_power_of_2(C))
     short_conv_decode_kernel[(B, triton.cdiv(C, BC))](
-        x=x2, w=weight, pool=conv_pool, index=index, y=y, C=C, sx=x2.stride(0), sp=conv_pool.stride(0), W=W,
-        WP=triton.next_power_of_2(W), BC=BC, num_warps=4,
+        x=x2, w=weight, pool=conv_pool, index=index.contiguous(), y=y, C=C, sx=x2.stride(0), sp=conv_pool.stride(0),
+        W=W, WP=triton.next_power_of_2(W), BC=BC, num_warps=4,
     )
     return y.view(x.shape)

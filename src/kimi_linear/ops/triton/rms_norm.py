@@ -68,7 +68,7 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     # a few rows per program when rows are short, so a program has at least ~2K elements of work
     BR = max(1, min(16, 2048 // BD))
     rms_norm_kernel[(triton.cdiv(N, BR),)](
-        x=x_r, delta=d_r, w=weight, y=y, s=s if s is not None else y, N=N, sx=sx, sd=sd, eps=eps,
+        x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, N=N, sx=sx, sd=sd, eps=eps,
         D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, num_warps=max(1, min(8, BR * BD // 512)),
     )
     return y, s
