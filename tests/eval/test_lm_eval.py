@@ -166,3 +166,25 @@ def test_command_line_errors_and_lm_evals_own_command_line(checkpoint, capsys, m
     with pytest.raises(SystemExit) as e:
         main(["lm_eval", "run", "--help"])
     assert e.value.code == 0 and "--model_args" in capsys.readouterr().out
+
+
+def test_the_shipped_benchmark_task():
+    """kimi_linear_stdlib_next_line (bench/eval_task.py) loads in lm-eval: 400 documents from held-out files, four
+    distinct choices of the true line's indentation."""
+    import zlib
+
+    from lm_eval.tasks import get_task_dict
+
+    from kimi_linear.eval.cli import OWN_TASKS
+
+    task = get_task_dict(["kimi_linear_stdlib_next_line"], TaskManager(include_path=OWN_TASKS, include_defaults=False)
+                         )["kimi_linear_stdlib_next_line"]
+    docs = list(task.test_docs())
+    assert len(docs) == 400
+    for d in docs:
+        assert zlib.crc32(Path(d["file"]).name.encode()) % 20 == 0          # the training split's held-out names
+        ch = d["choices"]
+        true = ch[d["label"]]
+        assert len(set(ch)) == 4 and len(true.strip()) >= 12
+        assert {c[: len(c) - len(c.lstrip())] for c in ch} == {true[: len(true) - len(true.lstrip())]}
+        assert d["context"].count("\n") == 8

@@ -13,9 +13,13 @@ import argparse
 import json
 import sys
 from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
 from . import INSTALL_HINT
+
+# The package's own tasks (kimi_linear_stdlib_next_line), always on the task path.
+OWN_TASKS = str(Path(__file__).resolve().parent / "tasks")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,7 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="checkpoint directory (default: the small model shipped with the package)")
     p.add_argument("--tasks", nargs="+", required=True,
                    help="lm-eval task names (several, or comma-separated); local tasks need --include_path")
-    p.add_argument("--include_path", default=None, help="a directory of task YAML files to add to lm-eval's")
+    p.add_argument("--include_path", default=None,
+                   help="a directory of task YAML files to add to lm-eval's (the package's own tasks, e.g. "
+                        "kimi_linear_stdlib_next_line, are always there)")
     p.add_argument("--batch_size", default="16",
                    help="requests handed to the engine at once, or `auto` (all of them) (default 16)")
     p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
@@ -34,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     p.add_argument("--max_gen_toks", type=int, default=256, help="default generation length (default 256)")
     p.add_argument("--max_num_seqs", type=int, default=16, help="sequences the engine generates at once")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--output_path", default=None, help="write the results (JSON) to this file")
     p.add_argument("--log_samples", action="store_true", help="keep each document's answers in --output_path")
     return p.parse_args(argv)
@@ -46,14 +53,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from .lm import KimiLinearLM
 
+    if args.threads < 0:
+        raise ValueError(f"`--threads` must be >= 0, got {args.threads}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     tasks = [t for arg in args.tasks for t in arg.split(",") if t]
-    manager = None
-    if args.include_path:
-        # Indexing lm-eval's thousands of task files takes a while: skip it when --include_path has every task.
-        local = TaskManager(include_path=args.include_path, include_defaults=False)
-        if all(t in local.all_tasks for t in tasks):
-            manager = local
-    manager = manager or TaskManager(include_path=args.include_path)
+    paths = [OWN_TASKS] + ([args.include_path] if args.include_path else [])
+    # Indexing lm-eval's thousands of task files takes a while: skip it when the local paths have every task.
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if not all(t in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=paths)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
         where = f" (searched lm-eval's tasks and {args.include_path})" if args.include_path else \
