@@ -23,7 +23,8 @@ MAX_PROMPTS = 8
 @pytest.fixture(scope="module")
 def srv(checkpoint):
     """Served as `other`: the checkpoint directory's name (`tiny`) and path are aliases."""
-    s = start_server(checkpoint, "--served-model-name", "other", "--max-prompts-per-request", str(MAX_PROMPTS))
+    s = start_server(checkpoint, "--served-model-name", "other", "--max-prompts-per-request", str(MAX_PROMPTS),
+                     "--max-scored-prompt-tokens", "3000")
     s.http = httpx.Client(base_url=s.url, timeout=120)
     yield s
     s.http.close()
@@ -162,6 +163,16 @@ def test_model_ids(srv, checkpoint):
 ])
 def test_bad_prompt_lists(srv, prompt, param, words):
     assert words in error(post(srv, {"prompt": prompt, "max_tokens": 1}), param)
+
+
+def test_scored_prompt_tokens_are_bounded(srv):
+    """echo with logprobs returns an entry per prompt token: a request may have at most --max-scored-prompt-tokens
+    scored, over all its prompts; without logprobs (or echo) the same prompts are fine."""
+    prompts = [[7] * 1000] * 4
+    assert "at most 3000 in one request" in error(post(srv, {"prompt": prompts, "echo": True, "logprobs": 0,
+                                                             "max_tokens": 0}), "prompt")
+    assert len(ok(srv, {"prompt": prompts, "echo": True, "max_tokens": 0})["choices"]) == 4
+    assert len(ok(srv, {"prompt": prompts[:3], "echo": True, "logprobs": 0, "max_tokens": 0})["choices"]) == 3
 
 
 def test_bad_echo_logprobs_and_stop(srv):

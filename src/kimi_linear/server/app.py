@@ -289,6 +289,10 @@ def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
                 prompts.append(p)
     engine = state.loop.engine
     params = req.params
+    scored, limit = sum(map(len, prompts)), state.limits.max_scored_prompt_tokens
+    if params.prompt_logprobs is not None and scored > limit:
+        raise APIError(400, f"`prompt` has {scored} tokens to score (`echo` with `logprobs`); this server scores at "
+                       f"most {limit} in one request (--max-scored-prompt-tokens)", "prompt")
     for field, ids in zip(fields, prompts):
         p = replace(params, max_tokens=max(engine.max_context - len(ids), 0)) if params.max_tokens < 0 else params
         try:

@@ -86,6 +86,9 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
                    help="most prompts in one /v1/completions request (`prompt` as a list): 400 beyond (default "
                         f"{d.max_prompts_per_request})")
+    g.add_argument("--max-scored-prompt-tokens", type=int, default=d.max_scored_prompt_tokens,
+                   help="prompt tokens one request may have scored (`echo` with `logprobs`), over all its prompts: "
+                        f"400 beyond (default {d.max_scored_prompt_tokens})")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted "
                         f"(streams end with an error event) (default {d.shutdown_timeout:g})")
@@ -116,7 +119,7 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         max_connections=max_conn, timeout_request_head=args.timeout_request_head,
         timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
-        max_prompts_per_request=args.max_prompts_per_request,
+        max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
     ).validate()
 
 
