@@ -6,7 +6,7 @@ Without lm-eval installed the import succeeds and registers nothing; ``python -m
 to install. ``import kimi_linear`` never imports this package.
 
     python -m kimi_linear.eval --model DIR --tasks TASK [TASK ...] [--include_path DIR] [--batch_size 16]
-    python -m kimi_linear.eval lm_eval run --model kimi_linear --model_args pretrained=DIR --tasks ...
+    python -m kimi_linear.eval lm_eval --model kimi_linear --model_args pretrained=DIR --tasks ...
 """
 
 from __future__ import annotations

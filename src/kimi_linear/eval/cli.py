@@ -2,7 +2,7 @@
 ``lm_eval.simple_evaluate`` with the ``kimi_linear`` model class registered).
 
     python -m kimi_linear.eval --model DIR --tasks TASK [TASK ...] [--include_path DIR] [--batch_size 16]
-    python -m kimi_linear.eval lm_eval run --model kimi_linear --model_args pretrained=DIR --tasks ...
+    python -m kimi_linear.eval lm_eval --model kimi_linear --model_args pretrained=DIR --tasks ...
 
 The second form is lm-eval's own command line (every option it has) with ``kimi_linear`` registered.
 """
