@@ -62,8 +62,10 @@ SAMPLING = {
     "return_token_ids": field(st.booleans()),
 }
 completion = st.fixed_dictionaries(
-    {**MODEL, "prompt": field(st.one_of(st.text(min_size=1, max_size=60), st.lists(st.integers(0, 300), min_size=1,
-                                                                          max_size=40)))},
+    {**MODEL, "prompt": field(st.one_of(
+        st.text(min_size=1, max_size=60), st.lists(st.integers(0, 300), min_size=1, max_size=40),
+        st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3),                # several prompts
+        st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=12), min_size=1, max_size=3)))},
     optional={**SAMPLING, "logprobs": field(st.integers(0, 5)), "echo": field(st.booleans()),
               "extra": anything})
 chat = st.fixed_dictionaries(

@@ -8,6 +8,7 @@ cross into the engine thread through a queue (the engine itself is single-thread
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 
 from .engine import LLMEngine
 from .sampling import SamplingParams
-from .sequence import RequestOutput
+from .sequence import RequestOutput, merge
 
 log = logging.getLogger("kimi_linear.engine")
 
@@ -31,7 +32,7 @@ class EngineLoop:
         self._stop = False
         self.lock = threading.Lock()       # held during a step; readers of engine state (metrics) take it too
         self._stats = engine.stats()
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = []
         self._thread = threading.Thread(target=self._run, name="kimi-linear-engine", daemon=True)
         self._thread.start()
 
@@ -42,8 +43,14 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: Any) -> None:
         """Validate now (raises ValueError for the HTTP layer), enqueue for the engine thread."""
-        self.engine.check_request(prompt_ids, params)
-        self._cmds.put(("add", (request_id, prompt_ids, params, on_output)))
+        self.submit_many([(request_id, prompt_ids, params, on_output)])
+
+    def submit_many(self, requests: list[tuple[str, list[int], SamplingParams, Any]]) -> None:
+        """Validate every request (ValueError before any is enqueued), then enqueue them as one command: the engine
+        adds them in the same step, so prompts to score share one forward."""
+        for _, prompt_ids, params, _ in requests:
+            self.engine.check_request(prompt_ids, params)
+        self._cmds.put(("add", requests))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -58,21 +65,38 @@ class EngineLoop:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         """Yield outputs until the request finishes; aborts it if the consumer stops early (client gone)."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        # Called in the engine thread: collected, then handed to the event loop once per step (see _flush).
-        self.submit(request_id, prompt_ids, params, lambda o: self._outbox.append((loop, q, o)))
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                while not out.finished and not q.empty():     # the consumer fell behind: send one merged update
-                    out = merge(out, q.get_nowait())
-                finished = out.finished
+        async with contextlib.aclosing(self.generate_many([(request_id, prompt_ids, params)])) as outs:
+            async for _, out in outs:
                 yield out
+
+    async def generate_many(self, requests: list[tuple[str, list[int], SamplingParams]]
+                            ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit ``requests`` together (at the first iteration) and yield (index, output) as they come, until
+        every one has finished; aborts those still running if the consumer stops early (client gone)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        def sink(i: int) -> Any:
+            # Called in the engine thread: collected, then handed to the event loop once per step (see _flush).
+            return lambda o: self._outbox.append((loop, q, (i, o)))
+
+        self.submit_many([(rid, ids, p, sink(i)) for i, (rid, ids, p) in enumerate(requests)])
+        running = set(range(len(requests)))
+        try:
+            while running:
+                items = [await q.get()]
+                while not q.empty():              # the consumer fell behind: one merged update per request
+                    items.append(q.get_nowait())
+                merged: dict[int, RequestOutput] = {}
+                for i, o in items:
+                    merged[i] = merge(merged[i], o) if i in merged else o
+                for i, o in merged.items():
+                    if o.finished:
+                        running.discard(i)
+                    yield i, o
         finally:
-            if not finished:
-                self.abort(request_id)
+            for i in running:
+                self.abort(requests[i][0])
 
     def _drain(self) -> None:
         while True:
@@ -82,13 +106,20 @@ class EngineLoop:
                 return
             try:
                 if kind == "add":
-                    self.engine.add_request(*arg)
+                    for req in arg:
+                        self._add(req)
                 else:
                     self.engine.abort(arg)
-            except Exception as e:  # a bad request must not take the engine down
+            except Exception:  # a bad request must not take the engine down
                 log.exception("engine: %s failed", kind)
-                if kind == "add" and arg[3] is not None:
-                    arg[3](RequestOutput(arg[0], [], "", finished=True, finish_reason="error", error=str(e)))
+
+    def _add(self, req: tuple[str, list[int], SamplingParams, Any]) -> None:
+        try:
+            self.engine.add_request(*req)
+        except Exception as e:  # this request fails alone; the others of its command are still added
+            log.exception("engine: adding request %s failed", req[0])
+            if req[3] is not None:
+                req[3](RequestOutput(req[0], [], "", finished=True, finish_reason="error", error=str(e)))
 
     def _flush(self) -> None:
         """One wake-up of the event loop per step for all outputs (not one per token per request)."""
@@ -115,7 +146,7 @@ class EngineLoop:
                         self.engine.step()
                     except Exception as e:  # never leave clients hanging: fail what is running, keep serving
                         log.exception("engine step failed")
-                        for seq in list(self.engine.running) + list(self.engine.waiting):
+                        for seq in self.engine.unfinished():
                             self.engine.fail_request(seq, f"the engine step failed: {type(e).__name__}: {e}")
                         del e
                 self._stats = self.engine.stats()
@@ -124,15 +155,6 @@ class EngineLoop:
                 self._wake.wait(timeout=0.5)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, o in items:
         q.put_nowait(o)
-
-
-def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one."""
-    return RequestOutput(
-        request_id=a.request_id, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, finished=b.finished,
-        finish_reason=b.finish_reason, logprobs=a.logprobs + b.logprobs, prompt_tokens=b.prompt_tokens,
-        completion_tokens=b.completion_tokens, cached_tokens=b.cached_tokens, error=b.error,
-    )

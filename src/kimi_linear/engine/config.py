@@ -43,6 +43,10 @@ class EngineConfig:
         model, 24 requests of 64-255 prompt tokens and 48 new ones, 16 slots: 122-132 against 211-241 output
         tok/s, same tokens; one-token rows pay the chunked kernel and the packed MLA layout), and on a GPU it is
         not measured yet (its decode rows leave their CUDA graph for that step).
+    max_num_scored_tokens: prompt tokens scored in one forward for requests that ask for their prompt's
+        log-probs (``SamplingParams.prompt_logprobs``): such prompts are packed into one row up to this many tokens
+        (a longer one runs alone, this many tokens per forward through the hybrid cache). The packed forward's MLA
+        mask is [T, T], so this bounds its memory. ``None``: 2048 on CPU, 8192 on a GPU.
     prefix_caching: share full MLA blocks by hash chain and restore KDA snapshots.
     num_snapshots: KDA snapshot slots for prefix caching (LRU); default ``4 * max_num_seqs``.
     cuda_graphs: run batched decode steps through the fixed-shape step of ``kimi_linear.model.paged`` (KDA states
@@ -59,6 +63,7 @@ class EngineConfig:
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
     mixed_steps: bool = False
+    max_num_scored_tokens: int | None = None
     prefix_caching: bool = True
     num_snapshots: int | None = None
     cuda_graphs: bool | None = None
@@ -71,14 +76,16 @@ class EngineConfig:
             cfg.prefill_chunk = max(2048 if gpu else 64, self.block_size) // self.block_size * self.block_size
         if cfg.max_num_batched_tokens is None:
             cfg.max_num_batched_tokens = 16384 if gpu else cfg.prefill_chunk
+        if cfg.max_num_scored_tokens is None:
+            cfg.max_num_scored_tokens = 8192 if gpu else 2048
         if cfg.cuda_graphs is None:
             cfg.cuda_graphs = gpu
         return cfg.validate()
 
     def validate(self) -> EngineConfig:
-        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_num_batched_tokens", "max_num_scored_tokens"):
             v = getattr(self, name)
-            if v is None and name in ("prefill_chunk", "max_num_batched_tokens"):
+            if v is None and name in ("prefill_chunk", "max_num_batched_tokens", "max_num_scored_tokens"):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {v!r}")

@@ -12,6 +12,12 @@ The engine is the thin loop between three parts, each in its own module:
   length.
 
 After each forward :meth:`LLMEngine.step` samples, checks stop conditions and emits outputs.
+
+Requests that ask for their prompt's log-probabilities (``SamplingParams.prompt_logprobs``: ``echo`` with
+``logprobs``, evaluation harnesses) first wait in a scoring queue: each step scores the prompts at its head in one
+packed forward (up to ``max_num_scored_tokens``) outside the pools, samples each request's first token from the
+logits after its prompt, and then either finishes it (``max_tokens`` 0 or 1, a stop) or hands it to the scheduler,
+which prefills prompt and first token into the pools and decodes the rest as usual.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
 
 from .cache_manager import CacheManager
 from .config import EngineConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PromptScores
 from .sampling import SamplingError, SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler, StepPlan
 from .sequence import RequestOutput, Sequence, Status
@@ -52,9 +59,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cfg, self.cache, self.cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, graphs=paged, capture=paged and self.device.type == "cuda")
         self.by_id: dict[str, Sequence] = {}
+        self.scoring: deque[Sequence] = deque()       # requests whose prompts are still to be scored
         self._counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefix_cache_hit_tokens=0,
                              prefix_cache_queries=0, prefix_cache_hits=0, requests_finished=0,
-                             requests_aborted=0, steps=0, decode_forwards=0, prefill_forwards=0)
+                             requests_aborted=0, steps=0, decode_forwards=0, prefill_forwards=0,
+                             scored_tokens=0, score_forwards=0)
         self._recent: deque[tuple[float, int]] = deque()        # (time, tokens) for tokens/s
 
     # The parts' state under the names the engine has always shown (tests, benchmarks, the server's metrics).
@@ -122,6 +131,10 @@ class LLMEngine:
         seq.max_tokens = min(params.max_tokens, room)
         seq.length_capped = seq.max_tokens < params.max_tokens
         self._counters["prompt_tokens"] += len(prompt_ids)
+        if params.prompt_logprobs is not None:
+            self.by_id[request_id] = seq
+            self.scoring.append(seq)
+            return seq
         if seq.max_tokens == 0:
             self._finish(seq, "length", emit=True)
             return seq
@@ -139,7 +152,11 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.scoring)
+
+    def unfinished(self) -> list[Sequence]:
+        """Every request not finished yet: running, waiting for a slot, waiting to be scored."""
+        return list(chain(self.running, self.waiting, self.scoring))
 
     def stats(self) -> dict[str, float]:
         now = time.monotonic()
@@ -147,7 +164,7 @@ class LLMEngine:
             self._recent.popleft()
         span = max(now - self._recent[0][0], 1.0) if self._recent else 1.0
         return dict(
-            running=len(self.running), waiting=len(self.waiting),
+            running=len(self.running), waiting=len(self.waiting) + len(self.scoring),
             kda_slots_used=self.slots.num_slots - len(self.slots.free), kda_slots_total=self.slots.num_slots,
             kda_snapshots_used=len(self.snapshots.slot_of), kda_snapshots_total=self.snapshots.pool.num_slots,
             mla_blocks_used=self.blocks.num_used(), mla_blocks_cached_free=len(self.blocks.free_cached),
@@ -161,6 +178,8 @@ class LLMEngine:
             return
         self.cache.release(seq)
         self.scheduler.remove(seq)
+        if seq in self.scoring:
+            self.scoring.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.by_id.pop(seq.request_id, None)
@@ -176,9 +195,9 @@ class LLMEngine:
             request_id=seq.request_id, token_ids=seq.pending, text=text, finished=final,
             finish_reason=seq.finish_reason if final else None, logprobs=seq.pending_lp,
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens,
-            error=seq.error if final else None,
+            error=seq.error if final else None, prompt_logprobs=seq.prompt_lp,
         )
-        seq.pending, seq.pending_lp = [], []
+        seq.pending, seq.pending_lp, seq.prompt_lp = [], [], None
         if seq.on_output is not None:
             seq.on_output(out)
 
@@ -194,6 +213,10 @@ class LLMEngine:
         argmax of ``logits`` when already known (a GPU batch computes all of them with one read-back)."""
         if seq.num_computed < seq.num_tokens():
             return
+        self._sample_and_emit(seq, logits, greedy)
+
+    def _sample_and_emit(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """Sample the next token from ``logits`` [vocab], check stop conditions, emit."""
         p = seq.params
         if greedy is not None and greedy < 0:
             raise SamplingError("the model produced NaN logits")
@@ -260,6 +283,8 @@ class LLMEngine:
         """One scheduling round: plan (admit, reserve), one batched decode forward, the prompt chunks; then sample
         and emit for every sequence that caught up with its tokens."""
         self._counters["steps"] += 1
+        if self.scoring:
+            self._score_step()
         plan = self.scheduler.plan()
         self._count_admitted(plan.admitted)
         if plan.prefill and self.cfg.mixed_steps:
@@ -304,3 +329,39 @@ class LLMEngine:
             if r >= len(plan.decode):
                 self.cache.register_blocks(s, snapshot=True)
             self._after_forward_isolated(s, logits[r], greedy[r])
+
+    # ---------------------------------------------------------------------------------------------- scoring
+    def _score_step(self) -> None:
+        """Score the prompts at the head of the scoring queue (at least one; more while they fit
+        ``max_num_scored_tokens``) in one forward; then each request gets its first token (see the module
+        docstring). A failure fails these requests alone."""
+        batch, size = [], 0
+        while self.scoring and (not batch or size + len(self.scoring[0].prompt_ids) <= self.cfg.max_num_scored_tokens):
+            batch.append(self.scoring.popleft())
+            size += len(batch[-1].prompt_ids)
+        self._counters["score_forwards"] += 1
+        self._counters["scored_tokens"] += size
+        try:
+            scores = self.runner.score(batch, max(s.params.prompt_logprobs or 0 for s in batch))
+        except Exception as e:
+            for s in batch:
+                self.fail_request(s, e)
+            return
+        for s, sc in zip(batch, scores):
+            try:
+                self._scored(s, sc)
+            except Exception as e:
+                self.fail_request(s, e)
+
+    def _scored(self, seq: Sequence, sc: PromptScores) -> None:
+        k = seq.params.prompt_logprobs or 0
+        ids, lps = sc.top_ids[:, :k].tolist(), sc.top_logprobs[:, :k].tolist()
+        seq.prompt_lp = [None] + [(t, lp, list(zip(a, b)))
+                                  for t, lp, a, b in zip(seq.prompt_ids[1:], sc.logprobs.tolist(), ids, lps)]
+        if seq.max_tokens == 0:
+            self._finish(seq, "length", emit=True)
+            return
+        self._sample_and_emit(seq, sc.last_logits)
+        if seq.status != Status.FINISHED:
+            # Prompt and first token go through the pools like a preempted sequence's (recomputed, then decoded).
+            self.waiting.append(seq)

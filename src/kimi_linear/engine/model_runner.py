@@ -1,5 +1,8 @@
 """The engine's model runner: turns a step plan into forwards and last-position logits.
 
+Prompts to score (``SamplingParams.prompt_logprobs``) run without the pools: packed into one forward that
+returns every position's log-probabilities (:mod:`kimi_linear.model.scoring`).
+
 Decode rows go through the fixed-shape step (:mod:`kimi_linear.model.paged`, CUDA graphs per batch bucket) when
 the engine has one, else through the eager forward. Prompt chunks run eagerly: chunks of equal length from
 several sequences share one batched forward ([b, T]; each row continues from its own slot and its own latents,
@@ -15,6 +18,7 @@ import torch
 from kimi_linear.layers import LatentCache, VarlenKDAState, VarlenLatents
 from kimi_linear.model.cache import HybridCache
 from kimi_linear.model.paged import DecodeGraphs
+from kimi_linear.model.scoring import PromptScores, score_prompts
 
 from .cache_manager import CacheManager
 from .sequence import Sequence
@@ -130,3 +134,9 @@ class ModelRunner:
             a, b = offsets[r], offsets[r + 1]
             cm.blocks.write(s.block_table, ps[r], [v.new[a:b] for v in views])
         return [(s, logits[r]) for r, s in enumerate(seqs)]
+
+    def score(self, seqs: list[Sequence], top: int) -> list[PromptScores]:
+        """Every prompt token's log-probability (and ``top`` alternatives) of each sequence, and the logits after
+        its prompt: one packed forward when they fit ``max_num_scored_tokens``; touches no pool."""
+        return score_prompts(self.model, [s.prompt_ids for s in seqs], top=top,
+                             chunk=self.cache.cfg.max_num_scored_tokens)

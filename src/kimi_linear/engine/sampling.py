@@ -17,6 +17,8 @@ from kimi_linear.model.generation import sample_next
 MIN_TEMPERATURE = 1e-2
 # What torch.Generator.manual_seed accepts: any 64-bit integer, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Most alternatives per token a request may ask for (log-probs of the generated and of the prompt tokens).
+MAX_LOGPROBS = 20
 
 
 class SamplingError(ArithmeticError):
@@ -26,7 +28,9 @@ class SamplingError(ArithmeticError):
 @dataclass
 class SamplingParams:
     """What one request asks for. ``temperature == 0`` is greedy; ``logprobs`` = top alternatives per token
-    (None: no log-probs); ``stop`` strings end the text (not included); ``ignore_eos`` keeps going after EOS."""
+    (None: no log-probs); ``stop`` strings end the text (not included); ``ignore_eos`` keeps going after EOS;
+    ``prompt_logprobs`` = top alternatives per prompt token, whose own log-probabilities (each given the tokens
+    before it) come back in the request's first output (None: the prompt is not scored)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -37,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
@@ -47,8 +52,10 @@ class SamplingParams:
             raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"`top_k` must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"`logprobs` must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"`{name}` must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"`seed` must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")

@@ -22,7 +22,9 @@ class Status(enum.Enum):
 @dataclass
 class RequestOutput:
     """What a request gained in one engine step. ``text`` is the new text (stop strings cut off, incomplete UTF-8
-    held back); ``finish_reason`` is set once: ``stop``, ``length``, ``abort`` or ``error``."""
+    held back); ``finish_reason`` is set once: ``stop``, ``length``, ``abort`` or ``error``. ``logprobs``: per new
+    token (token, log-prob, top alternatives). ``prompt_logprobs`` (in the first output of a request that asked for
+    them, else None): per prompt token the same triple, None for the first token (nothing precedes it)."""
 
     request_id: str
     token_ids: list[int]
@@ -34,6 +36,17 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
+
+
+def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one."""
+    return RequestOutput(
+        request_id=a.request_id, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, finished=b.finished,
+        finish_reason=b.finish_reason, logprobs=a.logprobs + b.logprobs, prompt_tokens=b.prompt_tokens,
+        completion_tokens=b.completion_tokens, cached_tokens=b.cached_tokens, error=b.error,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )
 
 
 class Detokenizer:
@@ -101,6 +114,7 @@ class Sequence:
         self.arrival = time.monotonic()
         self.pending: list[int] = []   # tokens sampled since the last emitted output
         self.pending_lp: list = []
+        self.prompt_lp: list | None = None     # scored prompt (SamplingParams.prompt_logprobs), until emitted
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with finish_reason "error"
 

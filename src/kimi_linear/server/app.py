@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,7 @@ from .protocol import (
     CompletionRequest,
     ParsedRequest,
     fallback_chat_prompt,
+    is_prompt_list,
     parse_json,
     sampling_params,
     short,
@@ -47,12 +48,16 @@ log = logging.getLogger("kimi_linear.server")
 
 class ServerState:
     """What the routes share: the engine loop, the tokenizer, the served model names, the limits, the worker
-    threads that parse and tokenize requests, the requests in flight (for a graceful shutdown)."""
+    threads that parse and tokenize requests, the requests in flight (for a graceful shutdown).
+
+    ``model_name`` is the model id responses carry; requests may name it or any of ``aliases`` (the checkpoint
+    directory's name and path). /v1/models lists the id and the aliases that are plain names (not paths)."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Any, model_name: str, aliases: tuple[str, ...] = (),
                  limits: ServerLimits | None = None) -> None:
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
         self.names = {model_name, *aliases}
+        self.ids = list(dict.fromkeys([model_name] + [a for a in aliases if a and "/" not in a and "\\" not in a]))
         self.created = int(time.time())
         self.started = time.monotonic()
         self.limits = (limits or ServerLimits()).validate()
@@ -185,8 +190,8 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kimi-linear",
-             "max_model_len": state.loop.engine.max_context}]}
+            {"id": name, "object": "model", "created": state.created, "owned_by": "kimi-linear",
+             "max_model_len": state.loop.engine.max_context} for name in state.ids]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -201,8 +206,12 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
 @dataclass
 class Prepared:
+    """A validated request: engine parameters, each prompt's token ids, and each prompt's text as the client sent
+    it (None when sent as token ids: echo decodes them)."""
+
     req: ParsedRequest
-    ids: list[int]
+    prompts: list[list[int]]
+    texts: list[str | None]
     chat: bool
 
 
@@ -219,21 +228,43 @@ async def _handle(state: ServerState, request: Request, chat: bool) -> Response:
     return await _serve(state, prep, request)
 
 
+def _precheck_prompt(state: ServerState, v: Any) -> None:
+    """Cheap length checks on the raw ``prompt`` before every element is validated: the number of prompts, and
+    token-id lists at or past the context."""
+    ctx = state.loop.engine.max_context
+    too_long = APIError(400, "", "prompt", code="context_length_exceeded")
+    if not isinstance(v, list):
+        return
+    if not is_prompt_list(v):
+        if len(v) >= ctx:
+            too_long.message = f"`prompt` has {len(v)} tokens; the model's context is {ctx} tokens"
+            raise too_long
+        return
+    limit = state.limits.max_prompts_per_request
+    if len(v) > limit:
+        raise APIError(400, f"`prompt` holds {len(v)} prompts; this server takes at most {limit} in one request "
+                       "(--max-prompts-per-request)", "prompt")
+    for i, p in enumerate(v):
+        if isinstance(p, list) and len(p) >= ctx:
+            raise APIError(400, f"`prompt[{i}]` has {len(p)} tokens; the model's context is {ctx} tokens",
+                           f"prompt[{i}]", code="context_length_exceeded")
+
+
 def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
-    """Body -> validated request and prompt token ids (in a worker thread). Raises APIError."""
+    """Body -> validated request and each prompt's token ids (in a worker thread). Raises APIError."""
     body = parse_json(raw, state.limits.max_json_depth)
-    n = body.get("prompt")
-    if isinstance(n, list) and len(n) >= state.loop.engine.max_context:     # before validating every element
-        raise APIError(400, f"`prompt` has {len(n)} tokens; the model's context is {state.loop.engine.max_context} "
-                       "tokens", "prompt", code="context_length_exceeded")
+    if not chat:
+        _precheck_prompt(state, body.get("prompt"))
     r = validate(ChatCompletionRequest if chat else CompletionRequest, body)
     if r.model not in state.names:
+        also = [f"`{n}`" for n in state.ids[1:]]
         raise APIError(404, f"The model {short(r.model, 200)} does not exist; this server serves "
-                       f"`{state.model_name}`", "model", code="model_not_found")
+                       f"`{state.model_name}`" + (f" (also as {', '.join(also)})" if also else ""), "model",
+                       code="model_not_found")
     req = sampling_params(r, chat)
     tok = state.tokenizer
-    field = "messages" if chat else "prompt"
     if chat:
+        field = "messages"
         msgs = [{"role": m.role, "content": m.content} for m in r.messages]
         _check_chars(state, sum(len(m["content"]) for m in msgs), field)
         if tok is None:
@@ -242,24 +273,35 @@ def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
             prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         else:
             prompt = fallback_chat_prompt(msgs)
-        ids = tok.encode(prompt, add_special_tokens=False)
-    elif isinstance(r.prompt, str):
-        _check_chars(state, len(r.prompt), field)
-        if tok is None:
-            raise APIError(400, "this server has no tokenizer: send `prompt` as token ids", field)
-        ids = tok.encode(r.prompt, add_special_tokens=False)
+        fields, texts, prompts = [field], [None], [tok.encode(prompt, add_special_tokens=False)]
     else:
-        ids = r.prompt
+        several = len(r.prompt) > 1
+        fields = [f"prompt[{i}]" if several else "prompt" for i in range(len(r.prompt))]
+        texts = [p if isinstance(p, str) else None for p in r.prompt]
+        prompts = []
+        for field, p in zip(fields, r.prompt):
+            if isinstance(p, str):
+                _check_chars(state, len(p), field)
+                if tok is None:
+                    raise APIError(400, "this server has no tokenizer: send `prompt` as token ids", field)
+                prompts.append(tok.encode(p, add_special_tokens=False))
+            else:
+                prompts.append(p)
     engine = state.loop.engine
     params = req.params
-    if params.max_tokens < 0:
-        params.max_tokens = max(engine.max_context - len(ids), 0)
-    try:
-        engine.check_request(ids, params)
-    except ValueError as e:
-        code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
-        raise APIError(400, str(e), field, code=code) from e
-    return Prepared(req, ids, chat)
+    scored, limit = sum(map(len, prompts)), state.limits.max_scored_prompt_tokens
+    if params.prompt_logprobs is not None and scored > limit:
+        raise APIError(400, f"`prompt` has {scored} tokens to score (`echo` with `logprobs`); this server scores at "
+                       f"most {limit} in one request (--max-scored-prompt-tokens)", "prompt")
+    for field, ids in zip(fields, prompts):
+        p = replace(params, max_tokens=max(engine.max_context - len(ids), 0)) if params.max_tokens < 0 else params
+        try:
+            engine.check_request(ids, p)
+        except ValueError as e:
+            code = "context_length_exceeded" if "context" in str(e) or "pool" in str(e) else None
+            msg = str(e).replace("`prompt`", f"`{field}`") if field.startswith("prompt[") else str(e)
+            raise APIError(400, msg, field, code=code) from e
+    return Prepared(req, prompts, texts, chat)
 
 
 def _check_chars(state: ServerState, n: int, field: str) -> None:
@@ -270,13 +312,31 @@ def _check_chars(state: ServerState, n: int, field: str) -> None:
                        "--max-prompt-chars)", field, code="context_length_exceeded")
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """Usage summed over the prompts of a request (each prompt's last output holds its totals)."""
+    p = sum(o.prompt_tokens for o in lasts)
+    c = sum(o.completion_tokens for o in lasts)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in lasts)}}
 
 
-def _logprobs(state: ServerState, outs: list[RequestOutput], chat: bool) -> dict[str, Any] | None:
+def _echo_text(state: ServerState, prep: Prepared, i: int) -> str:
+    """Prompt i's text for ``echo``: as sent, or its token ids decoded."""
+    text = prep.texts[i]
+    if text is not None:
+        return text
+    return state.tokenizer.decode(prep.prompts[i]) if state.tokenizer is not None else ""
+
+
+LogprobItem = tuple[int, float, list[tuple[int, float]]]
+
+
+def _logprobs(state: ServerState, outs: list[RequestOutput], chat: bool,
+              prompt: list[LogprobItem | None] | None = None, prompt_ids: list[int] | None = None
+              ) -> dict[str, Any] | None:
+    """The ``logprobs`` object of one choice: the generated tokens of ``outs``, after the prompt's tokens
+    ``prompt_ids`` when ``prompt`` holds their log-probs (echo; the first entry is None: nothing precedes the first
+    prompt token)."""
     items = [x for o in outs for x in o.logprobs]
     if chat:
         def entry(t: int, lp: float) -> dict[str, Any]:
@@ -284,13 +344,28 @@ def _logprobs(state: ServerState, outs: list[RequestOutput], chat: bool) -> dict
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in alts]}
                             for t, lp, alts in items]}
-    toks = [state.tok_str(t) for t, _, _ in items]
+    def top(alts: list[tuple[int, float]]) -> dict[str, float]:
+        # Keyed by token text: tokens that decode alike (partial UTF-8, special tokens) share a key, which keeps
+        # the best log-prob (alternatives come best first), so max() over it is still the top one's.
+        d: dict[str, float] = {}
+        for a, b in alts:
+            d.setdefault(state.tok_str(a), b)
+        return d
+
+    toks, lps, tops = [], [], []
+    for t, x in zip(prompt_ids or [], prompt or []):
+        toks.append(state.tok_str(t))
+        lps.append(None if x is None else x[1])        # the first prompt token has none (null, as vLLM sends)
+        tops.append(None if x is None else top(x[2]))
+    for t, lp, alts in items:
+        toks.append(state.tok_str(t))
+        lps.append(lp)
+        tops.append(top(alts))
     offsets, pos = [], 0
     for s in toks:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": toks, "token_logprobs": [lp for _, lp, _ in items],
-            "top_logprobs": [{state.tok_str(a): b for a, b in alts} for _, _, alts in items], "text_offset": offsets}
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 SHUTDOWN_ERROR = {"message": "the server is shutting down: this request was stopped before it finished",
@@ -298,53 +373,76 @@ SHUTDOWN_ERROR = {"message": "the server is shutting down: this request was stop
 
 
 async def _serve(state: ServerState, prep: Prepared, request: Request) -> Response:
-    req, ids, chat = prep.req, prep.ids, prep.chat
+    req, chat = prep.req, prep.chat
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    gen = state.loop.generate(rid, ids, req.params)
+    rids = [rid] if len(prep.prompts) == 1 else [f"{rid}-{i}" for i in range(len(prep.prompts))]
+    params = req.params
+    engine = state.loop.engine
+    reqs = [(r, ids, replace(params, max_tokens=max(engine.max_context - len(ids), 0)) if params.max_tokens < 0
+             else params) for r, ids in zip(rids, prep.prompts)]
+    gen = state.loop.generate_many(reqs)
     if req.stream:
-        return StreamingResponse(_sse(state, req, gen, rid, created, chat), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, prep, gen, rid, rids, created), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    state.active.add(rid)
+    state.active.update(rids)
     try:
-        outs = await _collect(gen, request)
+        got = await _collect(gen, request)
     finally:
-        state.active.discard(rid)
-    if outs is None:                      # the client went away: the request was aborted, nobody reads this
+        state.active.difference_update(rids)
+    if got is None:                       # the client went away: the requests were aborted, nobody reads this
         return Response(status_code=499)
-    last = outs[-1]
-    if last.finish_reason == "error":
-        raise APIError(500, f"the engine failed on this request: {last.error or 'internal error'}",
-                       type_="server_error")
-    if last.finish_reason == "abort":     # only a shutdown aborts a request whose client is still there
+    outs: list[list[RequestOutput]] = [[] for _ in rids]
+    for i, o in got:
+        outs[i].append(o)
+    for i, o in enumerate(outs):
+        if o[-1].finish_reason == "error":
+            where = f" (prompt {i})" if len(outs) > 1 else ""
+            raise APIError(500, f"the engine failed on this request{where}: {o[-1].error or 'internal error'}",
+                           type_="server_error")
+    if any(o[-1].finish_reason == "abort" for o in outs):   # only a shutdown aborts a request whose client is there
         return JSONResponse({"error": SHUTDOWN_ERROR}, status_code=503)
-    body = await state.offload(_response_body, state, req, ids, outs, rid, created, chat)
+    body = await state.offload(_response_body, state, prep, outs, rid, created)
     return Response(body, media_type="application/json")
 
 
-def _response_body(state: ServerState, req: ParsedRequest, ids: list[int], outs: list[RequestOutput], rid: str,
-                   created: int, chat: bool) -> bytes:
-    """A non-streaming response (in a worker thread: log-probs decode every token)."""
+def _choice(state: ServerState, prep: Prepared, i: int, outs: list[RequestOutput], first: bool) -> dict[str, Any]:
+    """Choice ``i`` of a response (all of its outputs) or of a stream chunk (the outputs since the last chunk;
+    ``first``: the prompt's first chunk, which carries the echo)."""
+    req, chat = prep.req, prep.chat
     last = outs[-1]
     text = "".join(o.text for o in outs)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
-                              "logprobs": _logprobs(state, outs, chat) if req.params.logprobs is not None else None}
+    echo = req.echo and first
+    prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None) if echo else None
+    choice: dict[str, Any] = {"index": i, "finish_reason": last.finish_reason,
+                              "logprobs": _logprobs(state, outs, chat, prompt_lps, prep.prompts[i])
+                              if req.params.logprobs is not None else None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = text
+        choice["text"] = (_echo_text(state, prep, i) if echo else "") + text
     if req.return_token_ids:
         choice["token_ids"] = [t for o in outs for t in o.token_ids]
-        choice["prompt_token_ids"] = ids
-    return json.dumps({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                       "model": state.model_name, "choices": [choice], "usage": _usage(last)}).encode()
+        if first and not req.stream:
+            choice["prompt_token_ids"] = prep.prompts[i]
+    return choice
 
 
-async def _collect(gen: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput] | None:
-    """All outputs of a non-streaming request, or None if the client disconnected first (then the engine
-    request is aborted, freeing its slot and blocks, instead of running to max_tokens for nobody)."""
+def _response_body(state: ServerState, prep: Prepared, outs: list[list[RequestOutput]], rid: str,
+                   created: int) -> bytes:
+    """A non-streaming response (in a worker thread: log-probs decode every token)."""
+    choices = [_choice(state, prep, i, o, first=True) for i, o in enumerate(outs)]
+    return json.dumps({"id": rid, "object": "chat.completion" if prep.chat else "text_completion",
+                       "created": created, "model": state.model_name, "choices": choices,
+                       "usage": _usage([o[-1] for o in outs])}).encode()
 
-    async def run() -> list[RequestOutput]:
+
+async def _collect(gen: AsyncIterator[tuple[int, RequestOutput]], request: Request
+                   ) -> list[tuple[int, RequestOutput]] | None:
+    """All (prompt index, output) of a non-streaming request, or None if the client disconnected first (then the
+    engine requests are aborted, freeing their slots and blocks, instead of running to max_tokens for nobody)."""
+
+    async def run() -> list[tuple[int, RequestOutput]]:
         return [o async for o in gen]
 
     task = asyncio.ensure_future(run())
@@ -362,8 +460,9 @@ async def _collect(gen: AsyncIterator[RequestOutput], request: Request) -> list[
             return None
 
 
-async def _sse(state: ServerState, req: ParsedRequest, gen: AsyncIterator[RequestOutput], rid: str, created: int,
-               chat: bool) -> AsyncIterator[bytes]:
+async def _sse(state: ServerState, prep: Prepared, gen: AsyncIterator[tuple[int, RequestOutput]], rid: str,
+               rids: list[str], created: int) -> AsyncIterator[bytes]:
+    req, chat = prep.req, prep.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": rid, "object": obj, "created": created, "model": state.model_name}
 
@@ -373,30 +472,26 @@ async def _sse(state: ServerState, req: ParsedRequest, gen: AsyncIterator[Reques
     if chat:
         yield event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]})
-    last = None
-    state.active.add(rid)
+    lasts: dict[int, RequestOutput] = {}
+    state.active.update(rids)
     try:
-        async for out in gen:     # closing this generator (client gone) aborts the request in the engine
-            last = out
+        async for i, out in gen:  # closing this generator (client gone) aborts the requests in the engine
+            first = i not in lasts
+            lasts[i] = out
             if out.finish_reason == "abort":      # the server is shutting down (a gone client reads nothing)
                 yield event({"error": SHUTDOWN_ERROR})
                 yield b"data: [DONE]\n\n"
                 return
-            if not out.text and not out.token_ids and not out.finished:
+            if not out.text and not out.token_ids and not out.finished and not (first and req.echo):
                 continue
-            choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason,
-                                      "logprobs": _logprobs(state, [out], chat) if req.params.logprobs is not None
-                                      else None}
+            choice = _choice(state, prep, i, [out], first)
             if chat:
+                del choice["message"]
                 choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
-            else:
-                choice["text"] = out.text
-            if req.return_token_ids:
-                choice["token_ids"] = out.token_ids
             yield event({**base, "choices": [choice]})
     finally:
-        state.active.discard(rid)
-        await gen.aclose()        # runs its `finally`: a request not finished (client gone) is aborted
-    if req.include_usage and last is not None:
-        yield event({**base, "choices": [], "usage": _usage(last)})
+        state.active.difference_update(rids)
+        await gen.aclose()        # runs its `finally`: requests not finished (client gone) are aborted
+    if req.include_usage and lasts:
+        yield event({**base, "choices": [], "usage": _usage(list(lasts.values()))})
     yield b"data: [DONE]\n\n"

@@ -21,7 +21,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: the checkpoint directory's name; its path also works)")
+                   help="model id that responses carry and /v1/models lists first (default: the checkpoint "
+                        "directory's name; `kimi-linear-default` for the shipped model). Requests may also name "
+                        "the checkpoint directory's name or the path given")
     s.add_argument("--api-key", default=os.environ.get("KIMI_LINEAR_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health "
                         "(default: $KIMI_LINEAR_API_KEY, else no key)")
@@ -81,6 +83,12 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
                    help="uvicorn's: open connections + requests in progress beyond which requests get 503; counts "
                         "idle connections too (default: off, --max-connections bounds connections)")
+    g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="most prompts in one /v1/completions request (`prompt` as a list): 400 beyond (default "
+                        f"{d.max_prompts_per_request})")
+    g.add_argument("--max-scored-prompt-tokens", type=int, default=d.max_scored_prompt_tokens,
+                   help="prompt tokens one request may have scored (`echo` with `logprobs`), over all its prompts: "
+                        f"400 beyond (default {d.max_scored_prompt_tokens})")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted "
                         f"(streams end with an error event) (default {d.shutdown_timeout:g})")
@@ -111,6 +119,7 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         max_connections=max_conn, timeout_request_head=args.timeout_request_head,
         timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
+        max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
     ).validate()
 
 
@@ -158,8 +167,9 @@ def build_server(args: argparse.Namespace) -> Any:
     engine = LLMEngine(model, cfg, tok)
     engine.capture_cuda_graphs()      # before serving: no request waits for a capture
     loop = EngineLoop(engine)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    state = ServerState(loop, tok, name, aliases=(args.model, os.path.normpath(args.model)), limits=limits)
+    dir_name = os.path.basename(os.path.normpath(args.model))
+    name = args.served_model_name or dir_name
+    state = ServerState(loop, tok, name, aliases=(dir_name, args.model, os.path.normpath(args.model)), limits=limits)
     return create_app(state, api_key=args.api_key), loop
 
 

@@ -29,6 +29,10 @@ class ServerLimits:
         open connections too, so below ``max_connections`` a flood of idle sockets makes it refuse everyone: off
         unless set).
     shutdown_timeout: on SIGINT / SIGTERM, seconds running requests get to finish before they are aborted.
+    max_prompts_per_request: a completions ``prompt`` that is a list of more prompts than this gets 400 (each
+        prompt is a request to the engine).
+    max_scored_prompt_tokens: prompt tokens whose log-probs one request may ask for (``echo`` with ``logprobs``),
+        summed over its prompts: 400 beyond (each comes back as a JSON entry with its alternatives).
     """
 
     max_body_bytes: int = 16 * MiB
@@ -41,9 +45,12 @@ class ServerLimits:
     max_header_bytes: int = 16 * 1024
     limit_concurrency: int | None = None
     shutdown_timeout: float = 30.0
+    max_prompts_per_request: int = 256
+    max_scored_prompt_tokens: int = 262_144
 
     def validate(self) -> ServerLimits:
-        for name in ("max_body_bytes", "max_connections", "max_header_bytes"):
+        for name in ("max_body_bytes", "max_connections", "max_header_bytes", "max_prompts_per_request",
+                     "max_scored_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.max_json_depth <= 512:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 GAUGES = {
     "running": "requests running (holding a KDA state slot)",
-    "waiting": "requests queued for a slot or cache blocks",
+    "waiting": "requests queued for a slot, cache blocks or prompt scoring",
     "kda_slots_used": "KDA state slots in use", "kda_slots_total": "KDA state slots",
     "kda_snapshots_used": "KDA prefix-cache snapshots held", "kda_snapshots_total": "KDA snapshot slots",
     "mla_blocks_used": "MLA latent blocks referenced by requests",
@@ -23,6 +23,8 @@ COUNTERS = {
     "requests_finished": "requests finished", "requests_aborted": "requests aborted (client gone)",
     "steps": "engine steps", "decode_forwards": "batched decode forwards", "prefill_forwards": "prefill forwards",
     "graph_decode_forwards": "batched decode forwards replayed as CUDA graphs (fixed-shape step)",
+    "scored_tokens": "prompt tokens scored for their log-probs (echo with logprobs)",
+    "score_forwards": "prompt-scoring forwards",
 }
 
 

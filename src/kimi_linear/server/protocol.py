@@ -20,11 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from kimi_linear.engine import SamplingParams
-from kimi_linear.engine.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN
+from kimi_linear.engine.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN
 
 INT64_MAX = 2**63 - 1
 ROLES = ("system", "user", "assistant", "tool")
-MAX_LOGPROBS = 20
+MAX_STOP = 16           # OpenAI allows 4; evaluation tasks send more (lm-evaluation-harness: `until` + EOS)
 
 
 class APIError(Exception):
@@ -117,20 +117,48 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
-def _prompt(v: Any) -> str | list[int]:
-    """``prompt``: a non-empty string or list of token ids, or a one-element list of either (one prompt)."""
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
+class PartError(ValueError):
+    """A bad part of a field: ``where`` is appended to the field's name in the error's ``param`` (``prompt[3]``)."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def _one_prompt(v: Any, where: str) -> str | list[int]:
     if isinstance(v, str):
         if not v:
-            raise ValueError("is empty")
-        return valid_unicode(v)
+            raise PartError(where, "is empty")
+        try:
+            return valid_unicode(v)
+        except ValueError as e:
+            raise PartError(where, str(e)) from None
     if isinstance(v, list) and v:
         for i, t in enumerate(v):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
-                raise ValueError(f"holds {short(t)} at index {i}, not a token id (a non-negative integer)")
+                raise PartError(where, f"holds {short(t)} at index {i}, not a token id (a non-negative integer)")
         return v
-    raise ValueError("must be a non-empty string or a non-empty list of token ids (one prompt per request)")
+    raise PartError(where, "must be a non-empty string or a non-empty list of token ids")
+
+
+def is_prompt_list(v: Any) -> bool:
+    """``prompt`` holds several prompts (strings or lists of token ids), not the token ids of one."""
+    return isinstance(v, list) and bool(v) and isinstance(v[0], (str, list))
+
+
+def _prompts(v: Any) -> list[str | list[int]]:
+    """``prompt``: one prompt (a non-empty string or list of token ids) or a non-empty list of prompts, all strings
+    or all token-id lists. Returns the list of prompts."""
+    if not is_prompt_list(v):
+        if isinstance(v, list) and not v:
+            raise ValueError("is empty (send a string, a list of token ids, or a list of prompts)")
+        return [_one_prompt(v, "")]
+    kind = type(v[0])
+    for i, p in enumerate(v):
+        if type(p) is not kind:
+            raise PartError(f"[{i}]", "is not of the first prompt's kind: a list of prompts holds strings only or "
+                            "lists of token ids only")
+    return [_one_prompt(p, f"[{i}]" if len(v) > 1 else "") for i, p in enumerate(v)]
 
 
 def _stop(v: Any) -> list[str] | None:
@@ -138,8 +166,8 @@ def _stop(v: Any) -> list[str] | None:
         return None
     if isinstance(v, str):
         v = [v]
-    if not isinstance(v, list) or not 1 <= len(v) <= 4 or not all(isinstance(s, str) and s for s in v):
-        raise ValueError("must be a non-empty string or a list of 1 to 4 non-empty strings")
+    if not isinstance(v, list) or not 1 <= len(v) <= MAX_STOP or not all(isinstance(s, str) and s for s in v):
+        raise ValueError(f"must be a non-empty string or a list of 1 to {MAX_STOP} non-empty strings")
     return [valid_unicode(s) for s in v]
 
 
@@ -197,9 +225,9 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Annotated[str | list[int], PlainValidator(_prompt)]
+    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool | None = None        # only false is served
+    echo: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -210,7 +238,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 _HINTS = {
-    "n": " (this server returns one choice per request)",
+    "n": " (this server returns one choice per prompt)",
     "temperature": f" (0 is greedy; values below {MIN_TEMPERATURE:g} sample greedily too)",
     "seed": " (a 64-bit integer)",
 }
@@ -231,7 +259,10 @@ def validate(model: type[_Strict], body: dict[str, Any]) -> Any:
         err = e.errors(include_url=False)[0]
         param = _param(err["loc"]) or None
         if err["type"] == "value_error":
-            msg = str(err["ctx"]["error"])
+            cause = err["ctx"]["error"]
+            msg = str(cause)
+            if isinstance(cause, PartError) and param:
+                param += cause.where
         else:
             msg = err["msg"][:1].lower() + err["msg"][1:]
             if err["type"] != "missing":
@@ -248,6 +279,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    echo: bool = False          # completions: the prompt comes back before the completion (with its log-probs)
 
 
 def sampling_params(r: CompletionRequest | ChatCompletionRequest, chat: bool) -> ParsedRequest:
@@ -255,8 +287,6 @@ def sampling_params(r: CompletionRequest | ChatCompletionRequest, chat: bool) ->
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(r, name):
             raise APIError(400, f"`{name}` is not supported (only 0)", name)
-    if getattr(r, "echo", None):
-        raise APIError(400, "`echo` is not supported", "echo")
     if chat:
         assert isinstance(r, ChatCompletionRequest)
         mt = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
@@ -266,6 +296,7 @@ def sampling_params(r: CompletionRequest | ChatCompletionRequest, chat: bool) ->
     else:
         mt = r.max_tokens if r.max_tokens is not None else 16
         logprobs = r.logprobs
+    echo = bool(getattr(r, "echo", False))
     params = SamplingParams(
         max_tokens=mt if mt is not None else -1,
         temperature=r.temperature if r.temperature is not None else 1.0,
@@ -273,9 +304,12 @@ def sampling_params(r: CompletionRequest | ChatCompletionRequest, chat: bool) ->
         top_k=r.top_k if r.top_k is not None else 0,
         seed=r.seed, stop=r.stop or [], stop_token_ids=list(r.stop_token_ids or []),
         ignore_eos=bool(r.ignore_eos), logprobs=logprobs,
+        # vLLM's echo: with `logprobs`, every prompt token's log-prob (and top alternatives) comes back too.
+        prompt_logprobs=logprobs if echo else None,
     )
     so = r.stream_options
-    return ParsedRequest(params, bool(r.stream), bool(so is not None and so.include_usage), bool(r.return_token_ids))
+    return ParsedRequest(params, bool(r.stream), bool(so is not None and so.include_usage), bool(r.return_token_ids),
+                         echo)
 
 
 def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
