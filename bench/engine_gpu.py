@@ -251,7 +251,7 @@ def generate_tpot(model: Any, prompt_len: int, new: int, reps: int, **kw: Any) -
     def timed(n: int) -> float:
         sync()
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+        model.generate(ids, max_new_tokens=n, do_sample=False, **{"eos_token_id": None, **kw})
         sync()
         return time.perf_counter() - t
 

@@ -80,7 +80,7 @@ def main() -> None:
         rel = ((a - b).abs().max() / a.abs().max()).item()
         hf_gen = hf.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                              do_sample=False)
-        our_gen = ours.generate(prompt, max_new_tokens=args.new_tokens)
+        our_gen = ours.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         same = bool((hf_gen == our_gen).all())
 
         t_hf_pre, t_our_pre, x_pre = paired_times(lambda: hf(ids, use_cache=True, logits_to_keep=1),
@@ -89,7 +89,8 @@ def main() -> None:
         t_hf_dec, t_our_dec, x_dec = paired_times(
             lambda: hf.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                 do_sample=False),
-            lambda: ours.generate(prompt, max_new_tokens=args.new_tokens), args.repeats)
+            lambda: ours.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens),
+            args.repeats)
 
     n = args.new_tokens
     print(f"# {cpu_name()} ({os.cpu_count()} cores visible), torch {torch.__version__}, transformers "

@@ -61,7 +61,8 @@ def test_continuous_batching_matches_single_request_greedy(model):
     for k, (p, sp) in reqs.items():
         assert outs[k] == reference(model, p, sp.max_tokens), k
         # Not just the same argmax: the same distribution (greedy tokens of a random model hide small errors).
-        ids, logits = model.generate(torch.tensor([p]), max_new_tokens=len(outs[k]), return_logits=True)
+        ids, logits = model.generate(torch.tensor([p]), max_new_tokens=len(outs[k]), eos_token_id=None,
+                                     return_logits=True)
         ref_lp = [float(lg[0].log_softmax(-1)[t]) for lg, t in zip(logits, outs[k])]
         assert lps[k] == pytest.approx(ref_lp, abs=2e-4), k
     s = engine.stats()
@@ -92,7 +93,7 @@ def test_prefix_cache_reuses_blocks_and_kda_snapshot(model):
     before = dict(engine.counters)
     lps: list[float] = []
     out_b = run_all(engine, {"b": (b, sp)}, lambda o: lps.extend(lp for _, lp, _ in o.logprobs))["b"]
-    _, logits = model.generate(torch.tensor([b]), max_new_tokens=6, return_logits=True)
+    _, logits = model.generate(torch.tensor([b]), max_new_tokens=6, eos_token_id=None, return_logits=True)
     assert lps == pytest.approx([float(lg[0].log_softmax(-1)[t]) for lg, t in zip(logits, out_b)], abs=2e-4)
     assert engine.counters["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 320
     assert engine.counters["prefill_tokens"] - before["prefill_tokens"] == 3

@@ -84,8 +84,9 @@ def test_prompt_longer_than_context():
     model(tokens(1, 30, seed=3), cache=cache)
     with pytest.raises(ValueError, match=r"30 cached \+ 3 new"):
         model(tokens(1, 3, seed=4), cache=cache)
-    # Generation stops at the context instead of failing mid-way.
-    assert model.generate(tokens(1, 30, seed=3), max_new_tokens=10).shape == (1, 32)
+    # Generation stops at the context instead of failing mid-way, and says so.
+    with pytest.warns(UserWarning, match="capped at 2"):
+        assert model.generate(tokens(1, 30, seed=3), max_new_tokens=10, eos_token_id=None).shape == (1, 32)
 
 
 def test_bad_tensors_and_masks():

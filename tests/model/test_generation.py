@@ -118,7 +118,7 @@ def test_streamer_gets_prompt_then_each_token(model):
 def test_fixed_shape_decode_path_equals_the_cache_path(model, k3):
     """generate's GPU fast path (pools, paged latents, the fixed-shape step; run eagerly here) gives the tokens and
     the step logits of the hybrid-cache path: a left-padded batch, greedy, then sampled with a seed; a second call
-    reuses the held pools and a longer one replaces them."""
+    reuses the held pools and a longer one replaces them. Also with a repetition penalty and min_new_tokens."""
     if k3:
         from kimi_linear.model import preset_config
 
@@ -132,7 +132,9 @@ def test_fixed_shape_decode_path_equals_the_cache_path(model, k3):
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
     for r, p in enumerate(prompts):
         batch[r, T - len(p):], mask[r, T - len(p):] = p, 1
-    for kw in (dict(), dict(do_sample=True, temperature=0.8, top_k=20, seed=3)):
+    # (the rules of transformers' arguments act on the logits either path returns: the graph path honours them)
+    for kw in (dict(), dict(do_sample=True, temperature=0.8, top_k=20, seed=3),
+               dict(repetition_penalty=1.4, min_new_tokens=10, eos_token_id=[2, int(batch[0, -1])])):
         ref, ref_logits = m.generate(batch, attention_mask=mask, max_new_tokens=12, return_logits=True,
                                      cuda_graphs=False, **kw)
         got, got_logits = m.generate(batch, attention_mask=mask, max_new_tokens=12, return_logits=True,

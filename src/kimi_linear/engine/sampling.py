@@ -1,8 +1,8 @@
 """Per-request sampling: greedy or temperature / top-k / top-p with the request's own seeded generator.
 
-Temperatures below :data:`MIN_TEMPERATURE` sample greedily: dividing logits by 1e-38 overflows them to inf and the
-softmax to NaN, and anything that small is greedy in effect. Non-finite logits raise :class:`SamplingError`, which
-the engine turns into an error for that request alone.
+Temperatures below :data:`MIN_TEMPERATURE` sample greedily (see :mod:`kimi_linear.model.arg_checks`, whose checks
+``generate`` shares). Non-finite logits raise :class:`SamplingError`, which the engine turns into an error for that
+request alone.
 """
 
 from __future__ import annotations
@@ -11,12 +11,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimi_linear.model.arg_checks import (
+    MIN_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+    check_count,
+    check_seed,
+    check_stop_strings,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+    is_int,
+)
 from kimi_linear.model.generation import sample_next
 
-# Below this a temperature is treated as 0 (greedy). At 1e-2 logits of magnitude up to 1e36 stay finite in float32.
-MIN_TEMPERATURE = 1e-2
-# What torch.Generator.manual_seed accepts: any 64-bit integer, signed or unsigned.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+__all__ = ["MAX_LOGPROBS", "MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "SamplingError", "SamplingParams",
+           "make_generator", "sample", "token_logprobs"]
+
 # Most alternatives per token a request may ask for (log-probs of the generated and of the prompt tokens).
 MAX_LOGPROBS = 20
 
@@ -44,23 +55,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
-            raise ValueError(f"`max_tokens` must be a non-negative integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
-            raise ValueError(f"`temperature` must be a number in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"`top_k` must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        check_count("max_tokens", self.max_tokens)
+        check_temperature(self.temperature)
+        check_top_p(self.top_p)
+        check_top_k(self.top_k)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"`{name}` must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"`seed` must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        check_seed(self.seed)
+        if not isinstance(self.stop, list):
             raise ValueError("`stop` must be a non-empty string or a list of non-empty strings")
+        check_stop_strings(self.stop)
         return self
 
     def is_greedy(self) -> bool:

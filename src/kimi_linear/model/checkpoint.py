@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint files (docs/checkpoint.md): ``config.json`` + safetensors, sharded with an index when large.
+"""Hugging Face checkpoint files (docs/checkpoint.md): ``config.json`` + safetensors, sharded with an index when large,
+and ``generation_config.json`` (the defaults of ``generate``: EOS, PAD ...).
 
 Reading builds the model on the meta device and assigns the file tensors, so nothing is randomly initialised and a
 48B checkpoint needs only its own memory. Writing goes to temporary names that are renamed into place only once
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import config_to_dict, load_config
+from .generation_config import GENERATION_CONFIG_FILE, generation_config_dict, read_generation_config
 
 if TYPE_CHECKING:
     from .modeling import KimiLinearForCausalLM
@@ -87,6 +89,7 @@ def load_pretrained(
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     config = load_config(path)
+    generation_config = read_generation_config(path)
     dtype = resolve_dtype(dtype, default=auto_dtype(config, device))
     with torch.device("meta"):
         model = cls(config)
@@ -121,6 +124,8 @@ def load_pretrained(
         warnings.warn(f"ignoring {len(unexpected)} tensor(s) the model does not use, e.g. {unexpected[:3]}",
                       stacklevel=3)
     model.load_state_dict(loaded, strict=True, assign=True)
+    if generation_config is not None:
+        model.generation_config = generation_config
     # Only the model holds the loaded tensors now: optimize_layout packs the MoE experts into stacks one layer at a
     # time, and each layer's separate tensors must be freed as it goes (else a 48B model would need twice its size).
     del loaded
@@ -195,6 +200,8 @@ def save_pretrained(
         cfg["dtype"] = str(model.dtype).removeprefix("torch.")
         final = os.path.join(path, "config.json")
         pending.append((_write_atomic_json(cfg, final), final))
+        final = os.path.join(path, GENERATION_CONFIG_FILE)
+        pending.append((_write_atomic_json(generation_config_dict(model.generation_config), final), final))
     except BaseException:
         for tmp, _ in pending:
             if os.path.exists(tmp):

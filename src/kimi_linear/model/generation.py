@@ -1,13 +1,19 @@
-"""Autoregressive decoding with the hybrid cache: greedy or sampled, batched with left padding, streamed."""
+"""Autoregressive decoding with the hybrid cache: greedy or sampled, batched with left padding, streamed, with
+transformers' generation arguments (:mod:`.generation_config`, :mod:`.logits_processors`)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from transformers import GenerationConfig
 
 from kimi_linear.layers import KDAState
 
+from .arg_checks import check_seed
+from .generation_config import resolve_options
+from .logits_processors import TokenRules
 from .paged import DecodeGraphs, DecodePools, decode_step
 
 if TYPE_CHECKING:
@@ -57,63 +63,75 @@ def generate(
     model: KimiLinearForCausalLM,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 32,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    generation_config: GenerationConfig | None = None,
+    *,
+    tokenizer: Any = None,
     seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
     streamer: Streamer | None = None,
     return_logits: bool = False,
     cuda_graphs: bool | None = None,
+    **kwargs: Any,
 ) -> Any:
-    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` [B, T].
+    """Generate tokens after ``input_ids`` [B, T], taking transformers' ``generate`` arguments for the tokens.
 
     attention_mask [B, T]: left padding (0) for batches of unequal prompts; every row then gets the tokens it would
-    get alone. Greedy unless ``do_sample``. Rows that emit ``eos_token_id`` are filled with ``pad_token_id`` after
-    it; decoding stops when every row has finished. Returns [B, T + n] token ids, or (ids, [n x [B, vocab]] step
-    logits) with ``return_logits``.
+    get alone. Returns [B, T + n] token ids, or (ids, [n x [B, vocab]] raw step logits) with ``return_logits``.
+
+    Keyword arguments, as in transformers (each overrides ``generation_config``, which overrides the model's
+    ``generation_config``: its checkpoint's ``generation_config.json``, else EOS / PAD of ``config.json``):
+
+    - ``max_new_tokens``, or ``max_length`` (prompt included); neither set anywhere: 20 new tokens. Capped at the
+      context (``max_position_embeddings``) with a warning.
+    - ``min_new_tokens`` / ``min_length``: EOS cannot be chosen before.
+    - ``do_sample`` (default greedy), ``temperature``, ``top_k`` (default 50, 0 = off), ``top_p``; a temperature
+      below 0.01 decodes greedily, as the server does. ``seed`` (ours): a private generator, reproducible.
+    - ``repetition_penalty``: logits of tokens already in the prompt or the output are divided by it (multiplied
+      when negative).
+    - ``eos_token_id`` (an id or a list; ``None`` = no EOS) and ``pad_token_id`` (fills a row after it ended).
+    - ``stop_strings`` with ``tokenizer=``: a row ends once its text ends in one (the tokens that complete it are
+      kept, as in transformers).
+
+    Decoding stops when every row has ended. Options of transformers' generate that are not implemented (beam
+    search ...) raise ``ValueError`` when they would change the tokens.
 
     cuda_graphs: decode through the fixed-shape step of :mod:`kimi_linear.model.paged` replayed as a CUDA graph
     (KDA states and MLA latents in pools, the paged MLA decode kernel, fused MoE), the engine's fast path.
     ``None``: on for a CUDA model. The pools and graphs are kept on the model for the next call of the same batch
-    size while they are large enough and the weights are the same tensors.
+    size while they are large enough and the weights are the same tensors. Sampling and the rules above run
+    outside the graph, on the logits either path returns.
     """
     input_ids = model._check_input_ids(input_ids)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"`max_new_tokens` must be a non-negative int, got {max_new_tokens!r}")
-    if do_sample:
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0 when sampling, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"`top_k` must be >= 0, got {top_k}")
     B, T = input_ids.shape
+    opts = resolve_options(getattr(model, "generation_config", None), generation_config, kwargs, T,
+                           model.config.vocab_size, tokenizer is not None)
+    check_seed(seed)
     limit = model.config.max_position_embeddings
     if T > limit:
         raise ValueError(f"prompt of {T} tokens exceeds the configured context `max_position_embeddings`/"
                          f"`model_max_length` = {limit}")
-    max_new_tokens = min(max_new_tokens, limit - T)
+    max_new_tokens = opts.max_new_tokens
+    if max_new_tokens > limit - T:
+        if "max_new_tokens" in kwargs or "max_length" in kwargs:
+            warnings.warn(f"{max_new_tokens} new tokens after a prompt of {T} exceed the context of {limit}: "
+                          f"capped at {limit - T}", stacklevel=4)
+        max_new_tokens = limit - T
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}, got "
                              f"{tuple(attention_mask.shape)}")
         _check_left_padded(attention_mask)
-    eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    if pad_token_id is None:
-        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else (eos[0] if eos else 0)
     generator = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
+    rules = TokenRules(opts, input_ids, attention_mask, model.config.vocab_size, tokenizer)
 
     cache = model.new_cache(B)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    out = [input_ids]
+    # seq [B, T + max_new_tokens]: the prompt, then each step's tokens (stop strings read its tail).
+    seq = torch.cat([input_ids, input_ids.new_zeros(B, max_new_tokens)], dim=1)
+    n = 0
     step_logits = []
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
+    eos_t = rules.eos
     logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
     use_graphs = input_ids.is_cuda if cuda_graphs is None else cuda_graphs
     decoder = _PagedDecoder(model, cache, attention_mask, B, T + max_new_tokens) if (
@@ -121,23 +139,31 @@ def generate(
     for step in range(max_new_tokens):
         if return_logits:
             step_logits.append(logits.float().clone())
-        if do_sample:
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        if rules.active:
+            logits = rules.process(logits)
+        if opts.do_sample:
+            nxt = sample_next(logits, opts.temperature, opts.top_k, opts.top_p, generator)
         else:
             nxt = logits.argmax(-1)
-        nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-        out.append(nxt[:, None])
+        nxt = torch.where(finished, torch.full_like(nxt, opts.pad_token_id), nxt)
+        seq[:, T + step] = nxt
+        n = step + 1
+        rules.update(nxt)
         if streamer is not None:
             streamer.put(nxt.cpu())
-        if eos_t is not None:
-            finished |= torch.isin(nxt, eos_t)
+        ended = torch.isin(nxt, eos_t) if eos_t is not None else None
+        stopped = rules.stopped(seq[:, : T + n])
+        if stopped is not None:
+            ended = stopped if ended is None else ended | stopped
+        if ended is not None:
+            finished |= ended
             if bool(finished.all()):
                 break
         if step + 1 < max_new_tokens:
             logits = decoder.step(nxt) if decoder is not None else model(nxt[:, None], cache=cache).logits[:, -1]
     if streamer is not None:
         streamer.end()
-    ids = torch.cat(out, dim=1)
+    ids = seq[:, : T + n]
     return (ids, step_logits) if return_logits else ids
 
 

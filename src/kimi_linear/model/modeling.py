@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import KimiLinearConfig
+from transformers import GenerationConfig, KimiLinearConfig
 
 from kimi_linear.layers import (
     AttnResState,
@@ -28,6 +28,7 @@ from kimi_linear.layers.context_parallel import ContextParallel
 
 from .cache import HybridCache
 from .config import k3_options, validate_config
+from .generation_config import default_generation_config
 
 # Parameters kept in float32 whatever the model dtype: router weight and bias, and the forget-gate constants.
 FP32_SUFFIXES = (".gate.weight", ".e_score_correction_bias", ".dt_bias", ".A_log")
@@ -224,6 +225,9 @@ class KimiLinearForCausalLM(nn.Module):
         self.config = validate_config(config)
         self.model = KimiLinearModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # What generate decodes with by default (transformers' attribute): from_pretrained replaces it with the
+        # checkpoint's generation_config.json when there is one; save_pretrained writes it.
+        self.generation_config = default_generation_config(config)
         self.optimize_layout()
 
     # ----------------------------------------------------------------------------------------------- properties
@@ -407,7 +411,8 @@ class KimiLinearForCausalLM(nn.Module):
         cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
         progress: bool = False,
     ) -> KimiLinearForCausalLM:
-        """Load a checkpoint directory (``config.json`` + safetensors). ``dtype`` defaults to the checkpoint's."""
+        """Load a checkpoint directory (``config.json`` + safetensors, and ``generation_config.json`` as the
+        model's ``generation_config`` when present). ``dtype`` defaults to the checkpoint's."""
         from .checkpoint import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device, progress=progress)
@@ -415,13 +420,17 @@ class KimiLinearForCausalLM(nn.Module):
     def save_pretrained(
         self, path: str | os.PathLike, max_shard_size: int | str = "5GB", progress: bool = False
     ) -> None:
-        """Write ``config.json`` and safetensors (sharded with an index when over ``max_shard_size``)."""
+        """Write ``config.json``, ``generation_config.json`` and safetensors (sharded with an index when over
+        ``max_shard_size``)."""
         from .checkpoint import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size, progress=progress)
 
-    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Decode with the hybrid cache; see :func:`kimi_linear.model.generation.generate`."""
+    def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig | None = None,
+                 **kwargs: Any) -> Any:
+        """Decode with the hybrid cache, taking transformers' generation arguments (``max_new_tokens``,
+        ``min_new_tokens``, ``eos_token_id``, ``repetition_penalty``, ``stop_strings`` + ``tokenizer`` ...) and a
+        ``GenerationConfig``; see :func:`kimi_linear.model.generation.generate`."""
         from .generation import generate
 
-        return generate(self, input_ids, **kwargs)
+        return generate(self, input_ids, generation_config=generation_config, **kwargs)
