@@ -78,7 +78,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nope"), "-p", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["info", "no-such-preset"]) == 2
-    assert "config.json" in capsys.readouterr().err
+    assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0

@@ -27,10 +27,17 @@ def _dtype(name: str):
 
 
 def _config(source: str):
+    """A preset's config, or a checkpoint directory's (or a config.json file's)."""
     from kimi_linear.model import PRESETS, load_config, preset_config
 
     if source in PRESETS and not os.path.isdir(source):
         return preset_config(source)
+    if not os.path.exists(source) and os.sep not in source and not source.startswith("."):
+        raise ValueError(f"unknown preset {source!r} (choose from {', '.join(PRESETS)}), and no directory of that "
+                         "name")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{source} does not exist (give a checkpoint directory or a preset name: "
+                                f"{', '.join(PRESETS)})")
     return load_config(source)
 
 
@@ -42,6 +49,10 @@ def cmd_init(args: argparse.Namespace) -> int:
     from kimi_linear.model import preset_config
     from kimi_linear.model.tokenizer import byte_level_tokenizer
 
+    if os.path.exists(args.path) and not os.path.isdir(args.path):
+        print(f"error: {args.path} is a file, not a directory: give a new (or empty) directory for the checkpoint",
+              file=sys.stderr)
+        return 2
     if os.path.exists(os.path.join(args.path, "config.json")) and not args.force:
         print(f"error: {args.path} already holds a checkpoint (use --force to overwrite)", file=sys.stderr)
         return 2
@@ -62,7 +73,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------------- info
 def cmd_info(args: argparse.Namespace) -> int:
-    from kimi_linear.model.memory import cache_bytes, human_bytes, parameter_counts
+    from kimi_linear.model.memory import cache_bytes, human_bytes, human_count, parameter_counts
 
     c = _config(args.source)
     counts = parameter_counts(c)
@@ -71,7 +82,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     context = args.context if args.context is not None else c.max_position_embeddings
     cb = cache_bytes(c, context, _dtype(args.cache_dtype))
     print(f"model_type      kimi_linear ({args.source})")
-    print(f"parameters      {counts['total'] / 1e9:.3f} B total, {counts['active'] / 1e9:.3f} B active per token "
+    print(f"parameters      {human_count(counts['total'])} total, {human_count(counts['active'])} active per token "
           f"({c.num_experts_per_tok} of {c.num_local_experts} experts)")
     print(f"hidden / vocab  {c.hidden_size} / {c.vocab_size}; context {c.max_position_embeddings}")
     print(f"KDA             {c.linear_num_heads} heads x {c.linear_head_dim}, conv {c.linear_conv_kernel_dim}")
@@ -117,19 +128,47 @@ def generate_inputs(args: argparse.Namespace) -> tuple[str, str | None]:
     return resolve_model(None), text if text is not None else args.prompt
 
 
+# Flags of `generate` under the names the shared sampling checks use.
+_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+          "seed": "--seed"}
+
+
+def sampling_params(args: argparse.Namespace):
+    """``generate``'s sampling flags as the engine's SamplingParams, checked by the rules the server applies
+    (a ValueError naming the flag)."""
+    from kimi_linear.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        msg = str(e)
+        for name, flag in _FLAGS.items():
+            msg = msg.replace(f"`{name}`", flag)
+        raise ValueError(msg + ("; 0 = greedy" if "--temperature" in msg else "")) from None
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = torch's choice), got {args.threads}")
+    return params
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
     from kimi_linear import KimiLinearForCausalLM
+    from kimi_linear.model import load_config
     from kimi_linear.model.tokenizer import load_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only; never reach out
+    params = sampling_params(args)
     path, prompt = generate_inputs(args)
     if not os.path.isdir(path):
-        print(f"error: checkpoint directory {path!r} does not exist", file=sys.stderr)
+        what = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
+        print(f"error: checkpoint directory {path!r} {what}", file=sys.stderr)
         return 2
     shipped = path == default_model_dir_or_none()
+    load_config(path)                 # what is missing first: config.json, then the tokenizer, then the weights
     prompt = prompt if prompt is not None else sys.stdin.read()
     if not prompt:
         print("error: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
@@ -143,14 +182,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                        add_generation_prompt=True)
     else:
         text = prompt
-    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    try:
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    except Exception as e:            # the tokenizers library raises bare Exceptions (e.g. a word not in a vocabulary)
+        raise ValueError(f"{path}'s tokenizer cannot encode the prompt: {e}") from e
+    T, limit = ids.shape[1], model.config.max_position_embeddings
+    if T >= limit:
+        raise ValueError(f"the prompt has {T} tokens and the model's context is {limit}: no room for new tokens")
+    n = args.max_new_tokens
+    if T + n > limit:
+        # A warning, not an error: the request is clear and the context is a hard limit, so generate what fits.
+        print(f"warning: --max-new-tokens {n} exceeds the context ({T} prompt tokens, context {limit}): "
+              f"capped at {limit - T}", file=sys.stderr)
+        n = limit - T
     streamer = None if args.no_stream else TextStreamer(tok, skip_prompt=True)
-    sample = args.temperature > 0
-    eos = model.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
+    sample = not params.is_greedy()
+    eos = model.generation_config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
     t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sample,
-                         temperature=args.temperature if sample else 1.0, top_p=args.top_p, top_k=args.top_k,
-                         seed=args.seed, eos_token_id=None if args.ignore_eos else eos, streamer=streamer)
+    out = model.generate(ids, max_new_tokens=n, do_sample=sample, temperature=args.temperature if sample else 1.0,
+                         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                         eos_token_id=None if args.ignore_eos else eos, streamer=streamer)
     dt = time.perf_counter() - t0
     new = out.shape[1] - ids.shape[1]
     if args.no_stream:
@@ -177,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", "-m", help="checkpoint directory (config.json, safetensors, tokenizer files); "
                    "default: the shipped model")
     g.add_argument("--prompt", "-p", help="prompt text (default: the PROMPT argument, else stdin)")
-    g.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
-    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=64,
+                   help="tokens to generate (default 64; capped, with a warning, at the model's context)")
+    g.add_argument("--temperature", "-t", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples (in [0, 100]; below 0.01 greedy, as the server)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -222,8 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`kimi-linear info ... | head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        # One line, whatever the message holds: what is wrong and what to do, no traceback.
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

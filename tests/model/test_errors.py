@@ -135,3 +135,17 @@ def test_tokenizer_code_is_never_fetched(tmp_path):
               open(tmp_path / "tokenizer_config.json", "w"))
     with pytest.raises(FileNotFoundError, match="never downloads"):
         load_tokenizer(str(tmp_path))
+
+
+def test_damaged_files_are_named(checkpoint):
+    """A truncated safetensors file (an interrupted download) and a config.json that is not JSON: errors naming
+    the file, before any tensor is read."""
+    file = os.path.join(checkpoint, "model.safetensors")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    with pytest.raises(ValueError, match=r"model\.safetensors is truncated or corrupt"):
+        KimiLinearForCausalLM.from_pretrained(checkpoint)
+    with open(os.path.join(checkpoint, "config.json"), "w") as f:
+        f.write("{")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_config(checkpoint)

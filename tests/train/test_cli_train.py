@@ -13,6 +13,12 @@ def test_train_task_writes_a_loadable_checkpoint(tmp_path, capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["step"] == 3 and "eval_accuracy" in last
     assert (out / "step-3" / "config.json").is_file() and (out / "step-3" / "trainer_state.pt").is_file()
+    # The checkpoint carries a tokenizer (token i written as the number i) and no EOS (id 0 is a key): generate
+    # loads it as it is and writes exactly the tokens asked for.
+    assert (out / "step-3" / "tokenizer.json").is_file()
+    assert main(["generate", str(out / "step-3"), "--prompt", "3 260 5 270 3", "-n", "4", "--no-stream"]) == 0
+    words = capsys.readouterr().out.split()
+    assert len(words) == 4 and all(0 <= int(w) < 576 for w in words)
 
 
 def test_train_on_stdlib_text_then_generate_and_resume(tmp_path, capsys):

@@ -15,7 +15,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import config_to_dict, load_config
@@ -73,6 +73,18 @@ def weight_files(path: str) -> list[str]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path!r}")
 
 
+def _open_weights(path: str, file: str):
+    """A ``safe_open`` handle on ``path/file``, or an error saying which file is missing or damaged."""
+    full = os.path.join(path, file)
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"{INDEX_FILE} names {file!r}, which is missing from {path!r}")
+    try:
+        return safe_open(full, framework="pt", device="cpu")
+    except SafetensorError as e:
+        # A truncated download or an interrupted copy: the header promises more bytes than the file holds.
+        raise ValueError(f"{full} is truncated or corrupt ({e}); download or copy it again") from e
+
+
 def _canonical(name: str) -> str:
     for pattern, repl in _ALIASES:
         name = pattern.sub(repl, name)
@@ -97,12 +109,11 @@ def load_pretrained(
     files = weight_files(path)
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    # Every file's header first (cheap: a memory map), so a damaged shard fails before any progress is shown.
+    handles = [(file, _open_weights(path, file)) for file in files]
     bar = _progress(total=len(expected), desc="loading", enabled=progress)
-    for file in files:
-        full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            raise FileNotFoundError(f"{INDEX_FILE} names {file!r}, which is missing from {path!r}")
-        with safe_open(full, framework="pt", device="cpu") as f:
+    for file, f in handles:
+        with f:
             for key in f.keys():
                 name = _canonical(key)
                 if name not in expected:

@@ -143,9 +143,16 @@ def load_config(path: str | os.PathLike) -> KimiLinearConfig:
     path = os.fspath(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
+        if os.path.isdir(path):
+            raise FileNotFoundError(f"{path} has no config.json: not a model checkpoint directory (one holds "
+                                    "config.json, *.safetensors and tokenizer files, as `kimi-linear init DIR` writes)")
         raise FileNotFoundError(f"no config.json at {path!r}")
-    with open(file, encoding="utf-8") as f:
-        return config_from_dict(json.load(f))
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from e
+    return config_from_dict(raw)
 
 
 def preset_config(name: str, **overrides: Any) -> KimiLinearConfig:

@@ -66,6 +66,15 @@ def parameter_counts(config: KimiLinearConfig) -> dict[str, int]:
     return {"total": total, "active": active, "embedding": embedding}
 
 
+def human_count(n: float) -> str:
+    """A parameter count for people: ``1.23 M``, ``48.1 B``, ``512``."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            x = n / scale
+            return f"{x:.0f} {unit}" if abs(x) >= 100 else (f"{x:.1f} {unit}" if abs(x) >= 10 else f"{x:.2f} {unit}")
+    return f"{int(n)}"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

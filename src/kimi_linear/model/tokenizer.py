@@ -38,6 +38,25 @@ def byte_level_tokenizer():
                                    padding_side="left")
 
 
+def id_tokenizer(vocab_size: int):
+    """A ``PreTrainedTokenizerFast`` for models whose tokens are bare ids (the synthetic tasks of ``kimi-linear
+    train``): token i is written as the number ``i``, text is numbers separated by whitespace (``"3 260 17"``), and
+    decoding joins them with spaces. No special tokens: such a task has no end-of-sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 1:
+        raise ValueError(f"`vocab_size` must be positive, got {vocab_size}")
+    tok = Tokenizer(models.WordLevel(vocab={str(i): i for i in range(vocab_size)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether checkpoint directory ``path`` holds tokenizer files (``tokenizer.json`` or ``tokenizer_config.json``)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def load_tokenizer(path: str):
     """Load the tokenizer saved in checkpoint directory ``path`` without touching the network.
 
@@ -46,6 +65,10 @@ def load_tokenizer(path: str):
     """
     from transformers import AutoTokenizer
 
+    if not has_tokenizer(path):
+        raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json): copy in the "
+                                "tokenizer files of the model or data it was trained on (checkpoints that "
+                                "`kimi-linear train` writes now carry them)")
     cfg_file = os.path.join(path, "tokenizer_config.json")
     remote = False
     if os.path.isfile(cfg_file):

@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 2 -m kimi_linear.cli train --task mqar --context-parallel 2 --seq-len 65536 ...
 
 Checkpoints (``OUT/step-N``) are ordinary model directories (config.json, safetensors, tokenizer) that
-``kimi-linear generate`` and transformers load, plus ``trainer_state.pt`` for exact resume.
+``kimi-linear generate`` and transformers load, plus ``trainer_state.pt`` for exact resume. A synthetic task's
+tokenizer writes token i as the number i: ``kimi-linear generate OUT/step-N "3 260 17"``.
 """
 
 from __future__ import annotations
@@ -143,8 +144,11 @@ def run_train(args: argparse.Namespace) -> int:
                          bf16=not args.no_bf16)
     tokenizer, model = None, None
     if args.task:
+        from kimi_linear.model.tokenizer import id_tokenizer
+
         task = get_task(args.task)
         source = TaskSource(task, args.batch_size, args.seq_len, seed=args.seed)
+        tokenizer = id_tokenizer(task.vocab_size)       # saved beside each checkpoint, so `generate` can load it
         if args.mixer == "gdn" and args.resume:
             print("error: Gated DeltaNet runs are not in the Kimi Linear checkpoint format; they cannot --resume",
                   file=sys.stderr)

@@ -171,6 +171,7 @@ def save_sharded(trainer, path: str | os.PathLike, tokenizer=None) -> None:
     full = full_model_state(trainer.model)
     if dist.get_rank() == 0:
         export = KimiLinearForCausalLM(trainer.model.config)
+        export.generation_config = trainer.model.generation_config
         export.load_state_dict(full)
         export.save_pretrained(tmp)
         if tokenizer is not None:

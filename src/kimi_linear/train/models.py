@@ -25,7 +25,8 @@ def task_model_config(mixer: str, vocab_size: int, *, hidden_size: int = 256, nu
         num_experts=1, num_experts_per_token=1,
         num_attention_heads=num_heads, num_key_value_heads=num_heads, kv_lora_rank=head_dim,
         qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
-        model_max_length=max_len, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        # A task row has no end: no EOS / BOS (id 0 is a real token, e.g. MQAR's first key).
+        model_max_length=max_len, pad_token_id=0, bos_token_id=None, eos_token_id=None,
         linear_attn_config=dict(kda_layers=kda, full_attn_layers=full, head_dim=head_dim, num_heads=num_heads,
                                 short_conv_kernel_size=4),
     ))

@@ -146,7 +146,7 @@ class Trainer:
         )
         self.step = 0
         self.history: list[dict] = []
-        self.tokenizer = None            # saved beside each checkpoint when set (text training)
+        self.tokenizer = None            # saved beside each checkpoint when set (the train CLI always sets one)
         self.sharded = False             # FSDP2 across ranks: checkpoints go through DCP (see distributed.py)
         self.routers = RouterWatch(model) if config.balance else None
 
