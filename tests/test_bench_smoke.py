@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("moe_gpu.py", ["--smoke"]),
     ("profile_decode.py", ["--smoke", "--batches", "1,2"]),
 ])
+@pytest.mark.slow
 def test_smoke(tmp_path, script, args):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *(a.format(tmp=tmp_path) for a in args)],

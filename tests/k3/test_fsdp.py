@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -67,6 +68,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_fsdp2_step_with_k3_switches_equals_single_process(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     result = torch.load(tmp_path / "fsdp.pt", weights_only=False)

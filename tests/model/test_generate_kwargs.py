@@ -49,6 +49,7 @@ def greedy(pair, ids, n=24) -> list[int]:
     return pair[0].generate(ids, max_new_tokens=n, eos_token_id=None)[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_lengths_and_the_config_eos(pair):
     """max_new_tokens; max_length (prompt included); both (max_new_tokens wins); EOS 256 from config.json by
     default: the random model emits it within 24 greedy tokens, so both stop there."""
@@ -105,6 +106,7 @@ def test_eos_and_pad_from_generation_config_json(pair, tmp_path):
     assert ours.generation_config.eos_token_id == EOS                # the original: from config.json
 
 
+@pytest.mark.slow
 def test_stop_strings_with_a_tokenizer(pair):
     """A stop string taken from the greedy text (two printable bytes): both end right after it, its tokens kept."""
     tok = byte_level_tokenizer()
@@ -127,6 +129,7 @@ def test_generation_config_with_overriding_kwargs(pair):
     assert pair[0].generate(PROMPT, gc).tolist() == a.tolist()                        # positional, as in transformers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_k=20), dict(temperature=1.3, top_p=0.9)])
 def test_seeded_sampling_matches_transformers(pair, kw):
     """do_sample with transformers' default top_k of 50 (or given filters): with ``seed`` we draw what transformers

@@ -224,6 +224,7 @@ def test_wy_products_odd_widths(cfg):
     assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [dict(wy_tma=True), dict(wy_tma=True, scores_tma=True, scores_stages=3),
                                  dict(wy_tma=False)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

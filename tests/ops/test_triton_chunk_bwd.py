@@ -172,6 +172,7 @@ def test_kept_and_recomputed_scores(case, keep, monkeypatch):
         check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, seed=55), cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_wide_state_scans(stages, monkeypatch):
     """The state scans 64 value columns wide (the H200 default for many sequences, ``h_bv=0`` picks it there; the
@@ -183,6 +184,7 @@ def test_wide_state_scans(stages, monkeypatch):
     check(make_inputs(B=2, T=70, H=1, HV=2, K=32, V=64, seed=56))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["chunks", "blocks", "heads"])
 def test_grid_orders(order, monkeypatch):
     """``LaunchConfig(grid_order=...)``: the per-chunk kernels' programs in another order (chunk_common.grid_coords),

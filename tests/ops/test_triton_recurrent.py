@@ -40,6 +40,7 @@ def test_neg_eigval_no_dt_bias_no_initial_state():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 67])
 def test_extreme_gates_and_lengths(T):
     """Per-step gates of -1000 and exactly 0, one decode token and a multi-token prompt of odd length."""

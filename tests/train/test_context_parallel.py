@@ -172,6 +172,7 @@ def test_misuse_names_the_argument(model_run):
         assert "`x` has 7 positions along dim 1, not divisible by the 2 ranks" in errors["split"]
 
 
+@pytest.mark.slow
 def test_fsdp2_context_parallel_step_equals_one_process(tmp_path):
     r0, r1 = _spawn(tmp_path, "trainer")
     trainer = Trainer(make_model("plain", TASK.vocab_size), TaskSource(TASK, batch_size=4, seq_len=96, seed=0),

@@ -8,9 +8,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_distributed_bench_smoke(tmp_path):
     # Ranks start with this test's interpreter (the project may live in a virtual environment that is not on PATH).
     done = subprocess.run(["bash", str(ROOT / "bench" / "distributed.sh"), str(tmp_path), "--smoke"],

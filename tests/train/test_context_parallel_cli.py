@@ -15,6 +15,7 @@ COMMON = ["train", "--task", "mqar", "--steps", "1", "--batch-size", "2", "--seq
           "--warmup", "1", "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_torchrun_context_parallel_step_equals_one_process(tmp_path, capsys):
     out = tmp_path / "cp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

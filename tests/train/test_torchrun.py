@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kimi_linear.model import KimiLinearForCausalLM
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_trains_and_exports(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
