@@ -127,7 +127,7 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     # seq [B, T + max_new_tokens]: the prompt, then each step's tokens (stop strings read its tail).
-    seq = torch.cat([input_ids, input_ids.new_zeros(B, max_new_tokens)], dim=1)
+    seq = torch.cat([input_ids.long(), input_ids.new_zeros(B, max_new_tokens, dtype=torch.long)], dim=1)
     n = 0
     step_logits = []
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
