@@ -58,6 +58,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow
 @shipped
 def test_server_and_in_process_give_the_same_scores():
     path = str(default.ASSET_DIR)
