@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kimi_linear.engine import EngineConfig, SamplingParams
+from kimi_linear.engine import model_runner as runner_mod
 from kimi_linear.engine.cache_manager import CacheManager
 from kimi_linear.engine.model_runner import ModelRunner
 from kimi_linear.engine.scheduler import Scheduler
@@ -121,6 +122,36 @@ def test_runner_batches_equal_chunks_exactly(model):
             out = [(s, runner.forward([s], T)[0]) for s, T in chunks]
         logits[batched] = torch.stack([lg for _, lg in out])
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+def test_runner_chunks_read_the_pool_in_place(model, monkeypatch):
+    """Prompt chunks never gather a history: rows with equal cached lengths share one forward that reads and writes
+    the paged pool in place; rows with different long histories (here: any, the dense path's mask limit at 0) run
+    one forward per cached length. Logits = one plain forward over each sequence's tokens so far."""
+    monkeypatch.setattr(runner_mod, "DENSE_MASK_ELEMENTS", 0)
+    monkeypatch.setattr(ModelRunner, "_histories", lambda *a: pytest.fail("a history was gathered"))
+    cache, sched = parts(model, max_num_seqs=3, prefill_chunk=16)
+    runner = ModelRunner(model, cache, graphs=False, capture=False)
+    seqs = [seq(str(i), 60, i) for i in range(3)]
+    sched.waiting.extend(seqs)
+    sched.admit()
+    for s, done in zip(seqs, (32, 32, 16)):
+        for _ in range(done // 16):
+            sched.reserve(s, s.num_computed + 16)
+            runner.forward([s], 16)
+            s.num_computed += 16
+    sizes = []
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda group, T: sizes.append(len(group)) or forward(group, T))
+    for s in seqs:
+        sched.reserve(s, s.num_computed + 16)
+    out = runner.prefill([(s, 16) for s in seqs])
+    assert sorted(sizes) == [1, 2]
+    with torch.no_grad():
+        for s, lg in out:
+            n = s.num_computed + 16
+            want = model(torch.tensor([s.prompt_ids[:n]]), logits_to_keep=1).logits[0, -1]
+            torch.testing.assert_close(lg, want, rtol=1e-5, atol=1e-5)
 
 
 def test_resolved_defaults():

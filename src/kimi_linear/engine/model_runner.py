@@ -5,23 +5,31 @@ returns every position's log-probabilities (:mod:`kimi_linear.model.scoring`).
 
 Decode rows go through the fixed-shape step (:mod:`kimi_linear.model.paged`, CUDA graphs per batch bucket) when
 the engine has one, else through the eager forward. Prompt chunks run eagerly: chunks of equal length from
-several sequences share one batched forward ([b, T]; each row continues from its own slot and its own latents,
-left-padded to the longest history and masked, which is exact).
+several sequences share one batched forward ([b, T]; each row continues from its own slot). When the rows have
+equal cached lengths (one long prompt, prompts admitted together) the MLA layers read and write the paged pool
+in place (:class:`~kimi_linear.layers.PagedPrefillView`: no copy of the history, no mask, memory independent of
+the context); otherwise each row's latents are gathered left-padded to the longest history and masked (exact, but
+a [b, T, longest] mask: rows with different long histories run as separate forwards instead).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from kimi_linear.layers import LatentCache, VarlenKDAState, VarlenLatents
+from kimi_linear.layers import LatentCache, PagedPrefillView, VarlenKDAState, VarlenLatents
 from kimi_linear.model.cache import HybridCache
 from kimi_linear.model.paged import DecodeGraphs
 from kimi_linear.model.scoring import PromptScores, score_prompts
 
 from .cache_manager import CacheManager
 from .sequence import Sequence
+
+# Rows of one prompt-chunk forward with different cached lengths share it through the dense left-padded path only
+# while its [b, T, longest history] mask stays this small; past that, one forward per cached length.
+DENSE_MASK_ELEMENTS = 1 << 24
 
 
 class ModelRunner:
@@ -61,11 +69,17 @@ class ModelRunner:
         cache = HybridCache([None] * len(self.model.model.layers))  # type: ignore[list-item]
         for k, st in zip(cm.kda_idx, cm.slots.gather([s.slot for s in seqs])):
             cache.layers[k] = st
-        bufs = self._histories(seqs, ps, L + T)
-        for li, buf in zip(cm.mla_idx, bufs):
-            lc = LatentCache(B, buf.shape[-1], dtype, self.device)
-            lc.buf, lc.length = buf, L
-            cache.layers[li] = lc
+        paged = T > 1 and all(p == L for p in ps)
+        if paged:
+            table = self._table(seqs, L + T)
+            for li, data in zip(cm.mla_idx, cm.blocks.data):
+                cache.layers[li] = PagedPrefillView(data, table, L)
+        else:
+            bufs = self._histories(seqs, ps, L + T)
+            for li, buf in zip(cm.mla_idx, bufs):
+                lc = LatentCache(B, buf.shape[-1], dtype, self.device)
+                lc.buf, lc.length = buf, L
+                cache.layers[li] = lc
         cache.seq_len = L
         if any(p != L for p in ps):
             cache.key_mask = torch.arange(L, device=self.device)[None] >= torch.tensor(
@@ -73,9 +87,15 @@ class ModelRunner:
         ids = torch.tensor([s.token_slice(s.num_computed, s.num_computed + T) for s in seqs], device=self.device)
         logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1].float()
         cm.slots.scatter([s.slot for s in seqs], [cache.layers[k] for k in cm.kda_idx])
-        for r, s in enumerate(seqs):
-            cm.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
+        if not paged:
+            for r, s in enumerate(seqs):
+                cm.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
         return logits
+
+    def _table(self, seqs: list[Sequence], upto: int) -> torch.Tensor:
+        """The rows' first ceil(upto / block_size) blocks: int64 [B, n] on the device (one host-to-device copy)."""
+        n = math.ceil(upto / self.cache.cfg.block_size)
+        return torch.tensor([s.block_table[:n] for s in seqs], dtype=torch.int64, device=self.device)
 
     def _histories(self, seqs: list[Sequence], ps: list[int], length: int) -> list[torch.Tensor]:
         """Per MLA layer a zeroed [B, length, width] buffer holding each sequence's ps[r] cached latents
@@ -96,10 +116,20 @@ class ModelRunner:
             by_len.setdefault(T, []).append(s)
         got: dict[int, torch.Tensor] = {}
         for T, seqs in by_len.items():
-            logits = self.forward(seqs, T)
-            for r, s in enumerate(seqs):
-                got[id(s)] = logits[r]
+            for group in self._groups(seqs, T):
+                logits = self.forward(group, T)
+                for r, s in enumerate(group):
+                    got[id(s)] = logits[r]
         return [(s, got[id(s)]) for s, _ in chunks]
+
+    @staticmethod
+    def _groups(seqs: list[Sequence], T: int) -> list[list[Sequence]]:
+        """Chunks of length T that run as one forward: all of them when their cached lengths are equal (the paged
+        path) or the dense path's mask stays under DENSE_MASK_ELEMENTS; else one forward per cached length."""
+        ps = sorted({s.num_computed for s in seqs})
+        if len(ps) == 1 or len(seqs) * T * (ps[-1] + T) <= DENSE_MASK_ELEMENTS:
+            return [seqs]
+        return [[s for s in seqs if s.num_computed == p] for p in ps]
 
     @torch.inference_mode()
     def mixed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi_linear.ops import paged_mla_decode
+from kimi_linear.ops.attention import attention_lse, merge_attention
 
 from .context_parallel import ContextParallel
 from .linear import Linear
@@ -70,6 +72,45 @@ class PagedLatentView:
     def write(self, entry: torch.Tensor) -> None:
         """Store each row's new entry [B, 1, width] at ``dst``."""
         self.data.view(-1, self.data.shape[-1]).index_copy_(0, self.dst, entry[:, 0].to(self.data.dtype))
+
+
+# A prefill chunk after cached tokens expands the cached latents into per-head keys and values this many bytes at a
+# time (Kimi-Linear-48B: ~40 KB a key in bf16, so ~26k keys a block), whatever the context: at 1M tokens all at
+# once would be 43 GB.
+KEY_BLOCK_BYTES = 1 << 30
+
+
+@dataclass
+class PagedPrefillView:
+    """One MLA layer's paged block pool as seen by a prefill chunk whose rows all have ``past`` tokens cached (the
+    engine builds one per layer and chunk). Passed to :meth:`NoPEMLA.forward` as ``cache``, the layer writes the
+    chunk's entries into the pool and attends to the cached ones block by block, read straight from the pool: the
+    history is never copied into a dense buffer, and no ``[T, past + T]`` mask is built.
+
+    data: [num_blocks, block_size, kv_lora_rank + rope] the layer's pool (contiguous; written in place).
+    block_table: int32/int64 [B, >= ceil((past + T) / block_size)] each row's blocks in order, on data's device.
+    past: tokens already cached in every row (a host int: it sizes the key blocks).
+    """
+
+    data: torch.Tensor
+    block_table: torch.Tensor
+    past: int
+
+    def write(self, entry: torch.Tensor) -> None:
+        """Store the chunk's entries [B, T, width] at positions past .. past + T - 1 (one scatter, int64 rows)."""
+        B, T, W = entry.shape
+        bs = self.data.shape[1]
+        pos = torch.arange(self.past, self.past + T, device=self.data.device)
+        rows = self.block_table[:, pos // bs].long() * bs + pos % bs                             # [B, T]
+        self.data.view(-1, W).index_copy_(0, rows.reshape(-1), entry.reshape(B * T, W).to(self.data.dtype))
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """Cached entries start .. end - 1 of every row (end <= past): [B, end - start, width]."""
+        B = self.block_table.shape[0]
+        bs, W = self.data.shape[1], self.data.shape[2]
+        b0, b1 = start // bs, -(-end // bs)
+        blocks = self.data.index_select(0, self.block_table[:, b0:b1].reshape(-1).long())
+        return blocks.view(B, (b1 - b0) * bs, W)[:, start - b0 * bs : end - b0 * bs]
 
 
 @dataclass
@@ -150,7 +191,7 @@ class NoPEMLA(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: LatentCache | PagedLatentView | VarlenLatents | None = None,
+        cache: LatentCache | PagedLatentView | PagedPrefillView | VarlenLatents | None = None,
         attn_mask: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
@@ -159,7 +200,8 @@ class NoPEMLA(nn.Module):
         cache: appended to in place when given. attn_mask: bool [B, 1, T, L] (True = may attend) over all L cached
             keys, or None for a plain causal mask with no past and no padding (the model builds it).
             A :class:`PagedLatentView` (one token per row, T == 1) is written and attended in place; its
-            ``seq_lens`` say which keys each row sees and attn_mask is ignored.
+            ``seq_lens`` say which keys each row sees and attn_mask is ignored. A :class:`PagedPrefillView` (a
+            prompt chunk after ``past`` cached tokens in every row) likewise: causal over past + T, no mask.
         context_parallel: x is this rank's piece of a sequence split along time (no cache, no attn_mask): the
             queries attend to the latents of every earlier rank and causally to their own.
         """
@@ -183,6 +225,12 @@ class NoPEMLA(nn.Module):
                                  f"parallelism, got T={T}")
             cache.write(entry)
             out = self._paged(q, cache)
+        elif isinstance(cache, PagedPrefillView):
+            if context_parallel is not None or _needs_grad(q):
+                raise ValueError("NoPEMLA: a PagedPrefillView serves inference prefill (no gradient, no context "
+                                 "parallelism)")
+            cache.write(entry)
+            out = self._chunked(q, entry, cache.past, cache.read)
         else:
             out = self._dense(q, entry, cache, attn_mask, context_parallel)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
@@ -193,7 +241,10 @@ class NoPEMLA(nn.Module):
     def _dense(self, q: torch.Tensor, entry: torch.Tensor, cache: LatentCache | None,
                attn_mask: torch.Tensor | None, context_parallel: ContextParallel | None) -> torch.Tensor:
         """Attention over a dense latent history (LatentCache, or none). q: [B, H, T, qk]; entry: [B, T, 576]
-        the new entries. Returns [B, H, T, v]."""
+        the new entries. Returns [B, H, T, v].
+
+        attn_mask None with cached tokens before the new ones means plain causal attention of the last T
+        positions (no padding): the cached keys are attended in blocks without a mask (:meth:`_chunked`)."""
         T = q.shape[2]
         if cache is not None:
             entry = cache.append(entry)                                            # [B, L, 576]
@@ -201,16 +252,29 @@ class NoPEMLA(nn.Module):
             entry, attn_mask = context_parallel.gather_latents(entry)             # [B, offset + T, 576]
         if T == 1 and cache is not None:
             return self._absorbed(q, entry, attn_mask)
+        L = entry.shape[1]
+        if attn_mask is None and L > T:
+            if not _needs_grad(q):
+                past = entry[:, : L - T]
+                return self._chunked(q, entry[:, L - T :], L - T, lambda a, b: past[:, a:b])
+            # training through a cache (not a serving path): the explicit bottom-right causal mask, differentiable
+            attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None]
         return self._expanded(q, entry, attn_mask)
 
-    def _expanded(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """Prefill: expand every cached latent into per-head keys and values. Returns [B, H, T, v]."""
+    def _expand(self, entry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent entries [B, L, 576] -> per-head keys [B, H, L, qk] (``[k_nope | shared k_rope]``) and values
+        [B, H, L, v]."""
         B, L, _ = entry.shape
         H = self.num_heads
         latent, k_rope = entry.split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(latent).view(B, L, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, None].expand(B, H, L, self.rope)], dim=-1)
+        return torch.cat([k_nope, k_rope[:, None].expand(B, H, L, self.rope)], dim=-1), v
+
+    def _expanded(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Prefill: expand every cached latent into per-head keys and values. attn_mask None: causal with as many
+        keys as queries. Returns [B, H, T, v]."""
+        k, v = self._expand(entry)
         # SDPA's fused CPU/GPU kernels need equal q/k and v head widths (else it falls back to the slow math path,
         # ~4x slower here): pad v with zeros to the q/k width and drop the padded output columns.
         if self.v_dim < self.qk_dim:
@@ -220,6 +284,29 @@ class NoPEMLA(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
         return o[..., : self.v_dim]
+
+    def _chunked(self, q: torch.Tensor, new: torch.Tensor, past: int,
+                 read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """A chunk of T new tokens after ``past`` cached ones, no padding, inference only. q: [B, H, T, qk]; new:
+        [B, T, 576] the chunk's entries; read(a, b) -> [B, b - a, 576] cached entries a .. b - 1. Returns
+        [B, H, T, v].
+
+        The cached keys are expanded and attended a block at a time (about :data:`KEY_BLOCK_BYTES` of keys and
+        values, any context), every query seeing every cached key; then the chunk's own keys under a square
+        causal mask; the blocks' results are merged exactly through their log-sum-exps
+        (:func:`kimi_linear.ops.attention.merge_attention`). Memory: one block's keys, never a [T, past + T]
+        mask or score matrix."""
+        B, H, T, _ = q.shape
+        per_key = B * H * (2 * self.qk_dim + self.nope + self.v_dim) * q.element_size()     # kv, k, padded v
+        step = max(1, KEY_BLOCK_BYTES // per_key)
+        acc = None
+        for a in range(0, past, step):
+            k, v = self._expand(read(a, min(past, a + step)))
+            acc = merge_attention(acc, *attention_lse(q, k, v, self.scale))
+            del k, v
+        k, v = self._expand(new)
+        out, _ = merge_attention(acc, *attention_lse(q, k, v, self.scale, causal=True))
+        return out.to(q.dtype)
 
     def _absorbed(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """One query per row against the latent cache. q: [B, H, 1, qk]; entry: [B, L, 576]. Returns [B, H, 1, v]."""
@@ -272,3 +359,7 @@ class NoPEMLA(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         # [B, H, T, C | rope]: the query expressed in the cache's own coordinates.
         return torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1), w_v
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad

@@ -197,20 +197,20 @@ class KimiLinearModel(nn.Module):
 def _mla_mask(
     key_mask: torch.Tensor | None, past: int, T: int, device: torch.device
 ) -> torch.Tensor | None:
-    """bool [B, 1, T, past+T] (True = may attend), or None when plain causal attention with no past is exact.
+    """bool [B, 1, T, past+T] (True = may attend), or None when no position is padding: then every MLA layer runs
+    plain causal attention of the last T positions over all past + T keys, without a mask (a [T, past + T] mask
+    would be gigabytes for a prompt chunk after a long context, and keeps SDPA off its flash kernels).
 
     A padding query would see no key at all (softmax of nothing = NaN, which the next KDA layer's zeroing cannot
     remove: NaN * 0 = NaN), so every query may always see itself.
     """
-    if key_mask is None and (past == 0 or T == 1):
+    if key_mask is None:
         return None
     L = past + T
     q_pos = torch.arange(past, L, device=device)[:, None]
     k_pos = torch.arange(L, device=device)[None, :]
     allowed = (k_pos <= q_pos)[None, None]
-    if key_mask is not None:
-        allowed = (allowed & key_mask[:, None, None, :]) | (k_pos == q_pos)[None, None]
-    return allowed
+    return (allowed & key_mask[:, None, None, :]) | (k_pos == q_pos)[None, None]
 
 
 class KimiLinearForCausalLM(nn.Module):
