@@ -127,7 +127,8 @@ def test_runner_batches_equal_chunks_exactly(model):
 def test_runner_chunks_read_the_pool_in_place(model, monkeypatch):
     """Prompt chunks never gather a history: rows with equal cached lengths share one forward that reads and writes
     the paged pool in place; rows with different long histories (here: any, the dense path's mask limit at 0) run
-    one forward per cached length. Logits = one plain forward over each sequence's tokens so far."""
+    one forward per cached length; one-token rows of any lengths share one forward over the pool. Logits = one
+    plain forward over each sequence's tokens so far."""
     monkeypatch.setattr(runner_mod, "DENSE_MASK_ELEMENTS", 0)
     monkeypatch.setattr(ModelRunner, "_histories", lambda *a: pytest.fail("a history was gathered"))
     cache, sched = parts(model, max_num_seqs=3, prefill_chunk=16)
@@ -151,6 +152,15 @@ def test_runner_chunks_read_the_pool_in_place(model, monkeypatch):
         for s, lg in out:
             n = s.num_computed + 16
             want = model(torch.tensor([s.prompt_ids[:n]]), logits_to_keep=1).logits[0, -1]
+            torch.testing.assert_close(lg, want, rtol=1e-5, atol=1e-5)
+    # One-token rows of different lengths (the eager decode step) read the pool in place too.
+    for s in seqs:
+        s.num_computed += 16
+        sched.reserve(s, s.num_computed + 1)
+    logits = forward(seqs, 1)
+    with torch.no_grad():
+        for s, lg in zip(seqs, logits):
+            want = model(torch.tensor([s.prompt_ids[: s.num_computed + 1]]), logits_to_keep=1).logits[0, -1]
             torch.testing.assert_close(lg, want, rtol=1e-5, atol=1e-5)
 
 

@@ -1,10 +1,11 @@
 """The engine's cache manager: who owns which KDA slot and MLA block, prefix hashes, and the device block table.
 
 Three pools (``pools.py``): running sequences own one KDA state slot each and a list of MLA latent blocks; KDA
-snapshots saved at block boundaries serve prefix caching. With the fixed-shape decode step (CUDA graphs) the pools
-get a scratch slot and block for padding rows, and a device block table ``[slots + 1, max_blocks]`` mirrors each
-sequence's block list in the row of its slot; :meth:`CacheManager.sync_tables` pushes the entries that changed
-since the last step in one copy.
+snapshots saved at block boundaries serve prefix caching. A device block table ``[slots + 1, max_blocks]`` (int32)
+mirrors each sequence's block list in the row of its slot; :meth:`CacheManager.sync_tables` pushes the entries that
+changed since the last step in one copy, so no forward ever turns a sequence's whole block list into a tensor (at
+1M tokens that list has 65,536 entries). With the fixed-shape decode step (CUDA graphs) the pools also get a
+scratch slot and block for padding rows, whose table row names only the scratch block.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ DEFAULT_MLA_BYTES = 4 * 2**30
 
 
 class CacheManager:
-    """Slots, snapshots and blocks of one engine. ``paged``: keep scratch rows and the device block table (the
-    fixed-shape decode step needs them)."""
+    """Slots, snapshots and blocks of one engine, and the device block table. ``paged``: keep scratch rows (the
+    fixed-shape decode step's padding rows use them)."""
 
     def __init__(self, model: Any, cfg: EngineConfig, paged: bool) -> None:
         layers = model.model.layers
@@ -45,7 +46,7 @@ class CacheManager:
         bs = cfg.block_size
         block_bytes = bs * sum(self.widths) * torch.tensor([], dtype=dtype).element_size()
         table_cols = math.ceil(self.max_context / bs)
-        table_bytes = (S + 1) * table_cols * 4 if paged and self.widths else 0
+        table_bytes = (S + 1) * table_cols * 4 if self.widths else 0
         num_blocks = cfg.num_blocks
         if num_blocks is None:
             if cfg.memory is not None and block_bytes:
@@ -64,24 +65,27 @@ class CacheManager:
                 if block_bytes:
                     num_blocks = max(1, min(num_blocks, DEFAULT_MLA_BYTES // block_bytes))
         self.blocks = BlockPool(int(num_blocks), bs, self.widths, dtype, device, scratch=paged)
+        scratch = self.blocks.scratch if self.blocks.scratch is not None else 0
+        # entries past a sequence's blocks are never read: they may name any block (the scratch one when paged)
+        self.block_table: torch.Tensor | None = torch.full(
+            (S + 1, table_cols), scratch, dtype=torch.int32, device=device) if self.widths else None
         self.pools: DecodePools | None = None
         if paged:
-            scratch = self.blocks.scratch if self.blocks.scratch is not None else 0
-            table = torch.full((S + 1, table_cols if self.widths else 1), scratch, dtype=torch.int32, device=device)
+            table = self.block_table if self.block_table is not None else torch.full(
+                (S + 1, 1), scratch, dtype=torch.int32, device=device)
             self.pools = DecodePools(self.slots.conv, self.slots.rec, self.blocks.data, table, bs,
                                      scratch_slot=S, scratch_block=scratch)
 
     # ------------------------------------------------------------------------------------------- accounting
     def allocated_bytes(self) -> dict[str, int]:
-        """Bytes the pools hold: KDA state slots, KDA prefix snapshots, MLA latent blocks (and, with the paged
-        decode step, the padding rows' scratch slot and block plus the device block table)."""
+        """Bytes the pools hold: KDA state slots, KDA prefix snapshots, MLA latent blocks, the device block table
+        (with MLA layers) and, with the paged decode step, the padding rows' scratch slot and block."""
         out = dict(kda_slots=self.slots.nbytes(), kda_snapshots=self.snapshots.pool.nbytes(),
                    mla_blocks=self.blocks.nbytes())
         if self.pools is not None:
-            table = self.pools.block_table
             out["graph_scratch"] = self.slots.scratch_bytes() + self.blocks.scratch_bytes()
-            if self.widths:
-                out["block_table"] = table.numel() * table.element_size()
+        if self.block_table is not None:
+            out["block_table"] = self.block_table.numel() * self.block_table.element_size()
         return out
 
     def token_capacity(self) -> int:
@@ -172,7 +176,7 @@ class CacheManager:
 
     def sync_tables(self, seqs: list[Sequence]) -> None:
         """Push the block-table entries the device has not seen yet (one host-to-device copy for the batch)."""
-        if self.pools is None or not self.widths:
+        if self.block_table is None:
             return
         rows, cols, vals = [], [], []
         for s in seqs:
@@ -183,5 +187,14 @@ class CacheManager:
                 vals.extend(new)
                 s.table_synced = len(s.block_table)
         if vals:
-            idx = torch.tensor([rows, cols, vals], dtype=torch.int64).to(self.pools.block_table.device)
-            self.pools.block_table[idx[0], idx[1]] = idx[2].to(torch.int32)
+            idx = torch.tensor([rows, cols, vals], dtype=torch.int64).to(self.block_table.device)
+            self.block_table[idx[0], idx[1]] = idx[2].to(torch.int32)
+
+    def table_rows(self, seqs: list[Sequence], upto: int) -> torch.Tensor:
+        """The sequences' first ceil(upto / block_size) blocks, int32 [B, n] on the device: synced, then read from
+        the device table (host work O(B) plus the new entries, whatever the context)."""
+        assert self.block_table is not None, "no MLA layers, no block table"
+        self.sync_tables(seqs)
+        n = math.ceil(upto / self.cfg.block_size)
+        slots = torch.tensor([s.slot for s in seqs], device=self.block_table.device)
+        return self.block_table.index_select(0, slots)[:, :n]

@@ -8,18 +8,18 @@ the engine has one, else through the eager forward. Prompt chunks run eagerly: c
 several sequences share one batched forward ([b, T]; each row continues from its own slot). When the rows have
 equal cached lengths (one long prompt, prompts admitted together) the MLA layers read and write the paged pool
 in place (:class:`~kimi_linear.layers.PagedPrefillView`: no copy of the history, no mask, memory independent of
-the context); otherwise each row's latents are gathered left-padded to the longest history and masked (exact, but
-a [b, T, longest] mask: rows with different long histories run as separate forwards instead).
+the context), as do eager one-token rows (:class:`~kimi_linear.layers.PagedLatentView`); otherwise each row's
+latents are gathered left-padded to the longest history and masked (exact, but a [b, T, longest] mask: rows with
+different long histories run as separate forwards instead).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from kimi_linear.layers import LatentCache, PagedPrefillView, VarlenKDAState, VarlenLatents
+from kimi_linear.layers import LatentCache, PagedLatentView, PagedPrefillView, VarlenKDAState, VarlenLatents
 from kimi_linear.model.cache import HybridCache
 from kimi_linear.model.paged import DecodeGraphs
 from kimi_linear.model.scoring import PromptScores, score_prompts
@@ -60,7 +60,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], T: int) -> torch.Tensor:
         """Run tokens [num_computed, num_computed + T) of each sequence through the model with caches gathered
-        from the pools, write the new states / latents back. Returns last-position logits [B, vocab] float32."""
+        from the pools, write the new states / latents back. Returns last-position logits [B, vocab] float32.
+
+        MLA layers read the paged pool in place through the device block table: one-token rows through
+        :class:`PagedLatentView` (the paged decode attention, each row its own length), chunks of rows with equal
+        cached lengths through :class:`PagedPrefillView`; only chunks of rows with different cached lengths gather
+        their histories into left-padded buffers under a mask (:meth:`prefill` keeps those small)."""
         cm = self.cache
         dtype = self.model.dtype
         B = len(seqs)
@@ -69,33 +74,34 @@ class ModelRunner:
         cache = HybridCache([None] * len(self.model.model.layers))  # type: ignore[list-item]
         for k, st in zip(cm.kda_idx, cm.slots.gather([s.slot for s in seqs])):
             cache.layers[k] = st
-        paged = T > 1 and all(p == L for p in ps)
-        if paged:
-            table = self._table(seqs, L + T)
-            for li, data in zip(cm.mla_idx, cm.blocks.data):
-                cache.layers[li] = PagedPrefillView(data, table, L)
-        else:
+        dense = T > 1 and any(p != L for p in ps)
+        if dense:
             bufs = self._histories(seqs, ps, L + T)
             for li, buf in zip(cm.mla_idx, bufs):
                 lc = LatentCache(B, buf.shape[-1], dtype, self.device)
                 lc.buf, lc.length = buf, L
                 cache.layers[li] = lc
-        cache.seq_len = L
-        if any(p != L for p in ps):
             cache.key_mask = torch.arange(L, device=self.device)[None] >= torch.tensor(
                 [L - p for p in ps], device=self.device)[:, None]
+        elif cm.widths:
+            table = cm.table_rows(seqs, L + T)
+            if T == 1:
+                bs = cm.cfg.block_size
+                lens = torch.tensor(ps, device=self.device)
+                dst = table.gather(1, (lens // bs)[:, None])[:, 0].long() * bs + lens % bs
+                views: list = [PagedLatentView(data, table, lens + 1, dst) for data in cm.blocks.data]
+            else:
+                views = [PagedPrefillView(data, table, L) for data in cm.blocks.data]
+            for li, view in zip(cm.mla_idx, views):
+                cache.layers[li] = view
+        cache.seq_len = L
         ids = torch.tensor([s.token_slice(s.num_computed, s.num_computed + T) for s in seqs], device=self.device)
         logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1].float()
         cm.slots.scatter([s.slot for s in seqs], [cache.layers[k] for k in cm.kda_idx])
-        if not paged:
+        if dense:
             for r, s in enumerate(seqs):
                 cm.blocks.write(s.block_table, ps[r], [buf[r, L : L + T] for buf in bufs])
         return logits
-
-    def _table(self, seqs: list[Sequence], upto: int) -> torch.Tensor:
-        """The rows' first ceil(upto / block_size) blocks: int64 [B, n] on the device (one host-to-device copy)."""
-        n = math.ceil(upto / self.cache.cfg.block_size)
-        return torch.tensor([s.block_table[:n] for s in seqs], dtype=torch.int64, device=self.device)
 
     def _histories(self, seqs: list[Sequence], ps: list[int], length: int) -> list[torch.Tensor]:
         """Per MLA layer a zeroed [B, length, width] buffer holding each sequence's ps[r] cached latents
