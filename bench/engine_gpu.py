@@ -41,10 +41,8 @@ import torch
 from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
 
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from floors import WeightSplit, copy_bandwidth, decode_cache_bytes, sync  # noqa: E402, F401  (re-exported)
 
 
 def shape_48b(layers: int, experts: int, **kw: Any):
@@ -154,53 +152,12 @@ def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
 
 
 # ------------------------------------------------------------------------------------------------------ (b) speed
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a large device-to-device copy (read + write), the floor's yardstick."""
-    if device != "cuda":
-        return float("nan")
-    x = torch.empty(2**30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    sync()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)
-
-
 def active_bytes(model: KimiLinearForCausalLM, batch: int) -> int:
-    """Weight bytes one decode step of ``batch`` rows reads: everything but the routed experts, plus the distinct
-    experts the rows choose (expected count for uniform top-k routing), plus one embedding row per token."""
-    c = model.config
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    expert = 0
-    moe_layers = 0
-    for layer in model.model.layers:
-        if layer.is_moe:
-            moe_layers += 1
-            e = layer.block_sparse_moe.experts[0]
-            expert = sum(p.numel() * p.element_size() for p in e.parameters())
-    E, k = c.num_local_experts, c.num_experts_per_tok
-    distinct = E * (1 - (1 - k / E) ** batch)
-    return int(total - emb.numel() * emb.element_size() + batch * emb.shape[1] * emb.element_size()
-               - moe_layers * E * expert + moe_layers * distinct * expert)
+    """Weight bytes one decode step of ``batch`` rows reads (see ``floors.WeightSplit.decode_bytes``)."""
+    return WeightSplit.of(model).decode_bytes(batch)
 
 
-def cache_bytes_per_step(model: KimiLinearForCausalLM, batch: int, context: int) -> int:
-    """Cache bytes one decode step moves: KDA memory read + written, conv windows, MLA latents read."""
-    layers = model.model.layers
-    n = 0
-    for layer in layers:
-        a = layer.self_attn
-        if layer.is_kda:
-            width = 3 * a.num_heads * a.head_dim
-            n += batch * (2 * a.num_heads * a.head_dim**2 * 4 + 2 * (a.conv_size - 1) * width * 2)
-        else:
-            n += batch * context * a.cache_width * 2
-    return n
+cache_bytes_per_step = decode_cache_bytes
 
 
 def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, steps: int, warmup: int,

@@ -27,3 +27,25 @@ def test_smoke(tmp_path, script, args):
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "|" in done.stdout                                      # it printed its tables
+
+
+def test_long_context_smoke(tmp_path):
+    """bench/long_context.py --smoke: both models' decode points (random cache fill, batch 1 and the largest) and
+    prefill points (a real chunked prefill decoded from there), the float32 checks, the merged tables and plot."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads((tmp_path / "long_context_smoke.json").read_text())
+    for model in ("hybrid", "mla"):
+        res = doc["models"][model]
+        assert {(r["context"], r["batch"]) for r in res["decode"]} == {(64, 1), (64, 2), (256, 1), (256, 2)}
+        assert [r["context"] for r in res["prefill"]] == [64, 256]
+        for r in res["decode"] + res["prefill"]:
+            # the engine's allocation per sequence is info's prediction, rounded up to whole blocks
+            assert r["info_cache_bytes"] <= r["seq_cache_bytes"] <= r["info_cache_bytes"] * 1.3
+    assert doc["check"]["engine_vs_forward"]["identical"] and doc["check"]["kda_state"]["ok"]
+    assert (tmp_path / "long_context.png").stat().st_size > 10_000
+    assert "all-MLA / hybrid" in (tmp_path / "long_context.md").read_text()

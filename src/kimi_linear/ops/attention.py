@@ -107,13 +107,13 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     aten = torch.ops.aten
     if kernel == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, _pad_v(v, d), 0.0, causal, False, scale=scale)[:2]
-        return out[..., :dv], lse.float()
+        return out[..., :dv], lse[..., :T].float()
     if kernel == "efficient":
         out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., :T].float()            # some versions pad the lse's query axis to a multiple of 32
     if kernel == "cpu-flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, _pad_v(v, d), 0.0, causal, scale=scale)
-        return out[..., :dv], lse.float()
+        return out[..., :dv], lse[..., :T].float()
     return None
 
 
