@@ -190,3 +190,37 @@ def test_k3_options_batch_exactly_too():
     outs = run_all(LLMEngine(k3, EngineConfig(max_num_seqs=3, prefill_chunk=32)), reqs)
     for k, (p, _) in reqs.items():
         assert outs[k] == reference(k3, p, 6, eos=False), k
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_long_prompt_through_the_pool_matches_one_plain_forward(graphs, monkeypatch):
+    """A prompt of many chunks whose MLA attention visits the cached keys in several blocks (the key-block size cut
+    to 100 keys), then greedy decoding (eager, or the fixed-shape step): the tokens are the argmax of one plain
+    forward over prompt + generated tokens, and so are their log-probabilities. Weights drawn 15x larger than the
+    recipe's, so that attention moves the logits (a 1% error in merging the key blocks moves them by ~1e-3)."""
+    from kimi_linear.layers import mla
+
+    torch.manual_seed(0)
+    model = KimiLinearForCausalLM(preset_config("tiny", eos_token_id=EOS, initializer_range=0.3)).init_weights(0)
+    model.eval()
+
+    per_key = model.config.num_attention_heads * (2 * (model.config.qk_nope_head_dim + model.config.qk_rope_head_dim)
+                                                  + model.config.qk_nope_head_dim + model.config.v_head_dim) * 4
+    monkeypatch.setattr(mla, "KEY_BLOCK_BYTES", 100 * per_key)
+    rng = random.Random(5)
+    prompt = [rng.randrange(256) for _ in range(700)]
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, prefill_chunk=128, cuda_graphs=graphs))
+    out: list[int] = []
+    lps: list[float] = []
+
+    def sink(o):
+        out.extend(o.token_ids)
+        lps.extend(lp for _, lp, _ in o.logprobs)
+
+    engine.add_request("long", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0), sink)
+    while engine.has_work():
+        engine.step()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out[:-1]]), logits_to_keep=len(out)).logits[0].log_softmax(-1)
+    assert out == logits.argmax(-1).tolist()
+    assert lps == pytest.approx([float(logits[i, t]) for i, t in enumerate(out)], abs=2e-4)
