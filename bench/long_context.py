@@ -131,7 +131,7 @@ def args_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=0.0, help="the same as a wall-clock time (seconds since the "
                    "epoch, e.g. $(( $(date +%%s) + 520 ))): one deadline shared by several processes of one call")
     p.add_argument("--plan", action="store_true", help="print memory and time estimates per point; no GPU")
-    p.add_argument("--card-gib", type=float, default=140.0, help="--plan: the card's memory (GiB)")
+    p.add_argument("--card-gib", type=float, default=139.0, help="--plan: the card's memory (GiB; an H200 shows ~139)")
     p.add_argument("--plot", metavar="DIR", help="merge DIR's JSON files into ratio tables and DIR/long_context.png")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every step (CI)")
     return p
@@ -331,6 +331,7 @@ def measure(run: Run, kind: str, bw: float, rate: float) -> None:
     model = build(config, run.device, run.dtype)
     if run.device == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()        # the packing's freed per-expert pieces: back to the driver for the pools
     split = WeightSplit.of(model)
     res["model"] = dict(layers=config.layer_types, experts=config.num_local_experts,
                         top_k=config.num_experts_per_tok, hidden=config.hidden_size, vocab=config.vocab_size,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from typing import Any
@@ -48,6 +49,9 @@ def engine_vs_forward(device: str, prompt_len: int, new_tokens: int, chunk: int,
     engine_s = time.perf_counter() - t
     graph_steps = engine.counters["graph_decode_forwards"]
     del engine
+    gc.collect()                                # the engine's pools and graphs, before the long plain forward
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     t = time.perf_counter()
     with torch.inference_mode():
         ids = torch.tensor([prompt + out[:-1]], device=device)

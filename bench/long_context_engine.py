@@ -65,6 +65,9 @@ def _timed_steps(engine: LLMEngine, warmup: int, steps: int) -> dict[str, float]
     out = dict(step_ms=1e3 * statistics.median(lat), step_ms_mean=1e3 * statistics.fmean(lat),
                step_ms_min=1e3 * min(lat), steps=steps)
     graphs = engine.runner.graphs
+    # a failed capture decodes eagerly from then on (far slower): the row says so
+    out.update(graph_steps=engine.counters["graph_decode_forwards"],
+               graphs_broken=graphs.broken if graphs is not None else "no graphs")
     bucket = graphs.buckets.get(graphs.bucket(len(engine.running))) if graphs is not None else None
     if bucket is not None and bucket.graph is not None:
         sync()

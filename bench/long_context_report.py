@@ -51,7 +51,8 @@ def decode_table(model: str, rows: list[dict]) -> str:
         if r.get("skipped"):
             body.append([model, ctx_name(r["context"]), r.get("batch", "-"), "skipped: " + r["skipped"]] + ["-"] * 8)
             continue
-        body.append([model, ctx_name(r["context"]), r["batch"], r["fill"], f3(r["step_ms"]), f3(r.get("replay_ms")),
+        fill = r["fill"] if not r.get("graphs_broken") else f"{r['fill']}, EAGER (capture failed)"
+        body.append([model, ctx_name(r["context"]), r["batch"], fill, f3(r["step_ms"]), f3(r.get("replay_ms")),
                      f3(r["floor_ms"]), ratio(r["step_ms"], r["floor_ms"]), f"{r['tok_per_s']:,.0f}",
                      gb(r["seq_cache_bytes"]), gb(r["info_cache_bytes"])])
     return table(f"### Decode, {model}: time per output token (engine step, median)",
