@@ -159,7 +159,8 @@ def warm_prefill(model: Any, block_size: int, chunk: int) -> None:
         return
     n = chunk + 2 * block_size
     engine = LLMEngine(model, engine_config(1, n + 4, block_size, chunk))
-    engine.add_request("warm", list(range(n)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.add_request("warm", [i % model.config.vocab_size for i in range(n)],
+                       SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     while engine.has_work():
         engine.step()
     sync()
