@@ -30,13 +30,13 @@ each point's memory and time estimate first; on the project's device machine pre
 if fla's wheel is wanted, it is not needed here). A ``--deadline`` shared by the processes of a call skips the
 points that would end after it (each is written to the JSON as skipped):
 
-    # call 1 (estimated ~7.5 min): the hybrid's decode points (4k..1M, batch 1 and the largest batch) and its
+    # call 1 (estimated ~8 min): the hybrid's decode points (4k..1M, batch 1 and the largest batch) and its
     # prefill 4k..256k (128k decoded from its real cache), then the same for the all-MLA twin
     export PYTHONPATH=src; D=$(( $(date +%s) + 525 ))
     python3 bench/long_context.py --model hybrid --prefill 4096,32768,131072,262144 --out $OUT --deadline $D
     python3 bench/long_context.py --model mla --out $OUT --deadline $D
 
-    # call 2 (estimated ~7.5 min): the hybrid's 1M-token prefill, decoded from there (no deadline: it is the point
+    # call 2 (estimated ~7.7 min): the hybrid's 1M-token prefill, decoded from there (no deadline: it is the point
     # of the call), then the float32 correctness checks
     export PYTHONPATH=src; D=$(( $(date +%s) + 525 ))
     python3 bench/long_context.py --model hybrid --contexts none --prefill 1048576 --tag 1m --out $OUT
