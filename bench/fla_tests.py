@@ -1,0 +1,169 @@
+"""fla-core 0.6's own KDA tests (``tests/ops/test_kda.py`` of flash-linear-attention 0.6.0) against
+``kimi_linear.ops`` (issue 20), with pass / fail / skip / deselect counts per test function.
+
+    python bench/fla_tests.py --prepare         # with network: fla's test file and the wheels into .fla/ (git-ignored)
+    python bench/fla_tests.py                   # run them: every case but the deselected ones with CUDA, the
+                                                # CPU-capable ones without (tests/fla_suite/conftest.py says which)
+    python bench/fla_tests.py -k test_chunk_varlen      # a subset (pytest's -k)
+
+fla-core 0.6.0 (pure Python; it needs einops) is installed aside, never into the environment: with ``fla``
+importable, transformers' KimiLinear (the reference model of tests/model) would switch to fla's kernels. Its wheels
+come from ``.fla/wheels`` or ``.whl`` (a machine without network, such as the GPU machine, is given ``.fla``), else
+from the package index into ``$XDG_CACHE_HOME/kimi-linear/fla-0.6.0/wheels``; they are installed into ``site`` next
+to them. The tests live in ``tests/fla_suite`` (how fla's file is found and its imports rewritten:
+``tests/fla_suite/source.py``); this script puts fla on the path, runs them with pytest in this process and prints
+the counts. Exit status: 0 nothing failed, 1 failures, 2 fla's test file not found, 3 fla-core not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FLA_DIR = REPO / ".fla"
+WHEELS = FLA_DIR / "wheels"
+SITE = FLA_DIR / "site"
+sys.path[:0] = [str(REPO), str(REPO / "src")]
+
+from tests.fla_suite.source import (  # noqa: E402
+    REPO_COPY,
+    VALIDATED_SHA256,
+    cache_dir,
+    find_test_file,
+    sha256,
+)
+
+SUITE = REPO / "tests" / "fla_suite" / "fla_kda.py"
+NOT_FOUND, NO_FLA = 2, 3
+
+
+def prepare() -> int:
+    """Copy fla's test file into .fla/ and download the wheels fla-core 0.6.0 needs (needs the package index)."""
+    src = find_test_file()
+    if src is None:
+        print(f"fla's tests/ops/test_kda.py (0.6.0) not found; put a copy at {REPO_COPY}", file=sys.stderr)
+        return 1
+    if src.resolve() != REPO_COPY.resolve():
+        REPO_COPY.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, REPO_COPY)
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    download(WHEELS)
+    text = REPO_COPY.read_text()
+    print(f"{REPO_COPY.relative_to(REPO)}: sha256 {sha256(text)} "
+          f"({'the validated copy' if sha256(text) == VALIDATED_SHA256 else 'NOT the validated copy'})")
+    for w in sorted(WHEELS.glob("*.whl")):
+        print(f"{w.relative_to(REPO)}: {w.stat().st_size} bytes")
+    print("carry: .fla")
+    return 0
+
+
+def download(dest: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(dest),
+                    "fla-core==0.6.0", "einops"], check=True)
+
+
+def ensure_fla() -> str | None:
+    """Put fla-core 0.6.0 on sys.path (module docstring); returns where it comes from, or None if unavailable."""
+    try:
+        import fla as found
+        return str(Path(found.__file__).parent)
+    except ImportError:
+        pass
+    if WHEELS.is_dir():
+        wheels, site = sorted(WHEELS.glob("*.whl")), SITE
+    else:
+        cached = cache_dir() / "wheels"
+        if not any(cached.glob("fla_core-0.6.0-*.whl")):
+            try:
+                download(cached)
+            except (subprocess.CalledProcessError, OSError) as e:
+                print(f"fla-core 0.6.0 could not be downloaded ({e})", file=sys.stderr)
+        wheels, site = sorted(cached.glob("*.whl")), cache_dir() / "site"
+    wheels += sorted((REPO / ".whl").glob("fla_core-0.6.0-*.whl"))
+    if not any(w.name.startswith("fla_core-0.6.0-") for w in wheels):
+        return None
+    if not (site / "fla").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                        str(site), *map(str, wheels)], check=True)
+    sys.path.insert(0, str(site))
+    import fla as found
+    return str(Path(found.__file__).parent)
+
+
+class Counts:
+    """pytest plugin: outcomes per test function, deselections, and the first line of each failure."""
+
+    def __init__(self) -> None:
+        self.by_func: dict[str, Counter] = defaultdict(Counter)
+        self.failures: list[str] = []
+
+    @staticmethod
+    def func(nodeid: str) -> str:
+        return nodeid.split("::")[-1].split("[")[0]
+
+    def pytest_deselected(self, items) -> None:
+        for item in items:
+            self.by_func[self.func(item.nodeid)]["deselected"] += 1
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            outcome = "skipped" if report.skipped else ("passed" if report.passed else "failed")
+            self.by_func[self.func(report.nodeid)][outcome] += 1
+            if report.failed:
+                lines = [ln for ln in str(report.longrepr).splitlines() if ln.startswith("E ")]
+                self.failures.append(f"{report.nodeid.split('::')[-1]}: {lines[0][1:].strip() if lines else '?'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prepare", action="store_true", help="fetch the wheels and copy the test file into .fla/")
+    ap.add_argument("-k", default=None, help="pytest -k expression (a subset)")
+    args = ap.parse_args()
+    if args.prepare:
+        return prepare()
+
+    import torch
+    if torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "0")        # tests/conftest.py would default it to 1 (CPU runs)
+    path = find_test_file()
+    if path is None:
+        print(f"fla's test file not found (run --prepare, or carry .fla); looked first at {REPO_COPY}")
+        return NOT_FOUND
+    fla_from = ensure_fla()
+    if fla_from is None:
+        print("fla-core 0.6.0 is not available: no wheel in .fla/wheels or .whl, and none could be downloaded")
+        return NO_FLA
+    import pytest
+
+    digest = sha256(path.read_text())
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (CPU-capable cases only)"
+    print(f"fla's {path} (sha256 {digest[:16]}..., {'validated' if digest == VALIDATED_SHA256 else 'NOT validated'}"
+          f" copy) against kimi_linear.ops on {dev}; fla-core from {fla_from}; torch {torch.__version__}", flush=True)
+    counts = Counts()
+    t0 = time.time()
+    argv = [str(SUITE), "-q", "--tb=line", "-p", "no:cacheprovider", "-rs", f"--rootdir={REPO}"]
+    rc = pytest.main(argv + (["-k", args.k] if args.k else []), plugins=[counts])
+    total = Counter()
+    print(f"\n{'test function':<48} {'passed':>7} {'failed':>7} {'skipped':>8} {'deselected':>11}")
+    for name in sorted(counts.by_func):
+        c = counts.by_func[name]
+        total.update(c)
+        print(f"{name:<48} {c['passed']:>7} {c['failed']:>7} {c['skipped']:>8} {c['deselected']:>11}")
+    print(f"{'total':<48} {total['passed']:>7} {total['failed']:>7} {total['skipped']:>8} {total['deselected']:>11}"
+          f"   ({time.time() - t0:.0f} s)")
+    for line in counts.failures:
+        print("FAILED", line)
+    print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped, "
+          f"{total['deselected']} deselected")
+    return 0 if rc in (0, 5) and not total["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
