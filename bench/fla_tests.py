@@ -5,6 +5,7 @@
     python bench/fla_tests.py                   # run them: every case but the deselected ones with CUDA, the
                                                 # CPU-capable ones without (tests/fla_suite/conftest.py says which)
     python bench/fla_tests.py -k test_chunk_varlen      # a subset (pytest's -k)
+    python bench/fla_tests.py --budget 420      # cases that would start after 420 s are skipped (and counted)
 
 fla-core 0.6.0 (pure Python; it needs einops) is installed aside, never into the environment: with ``fla``
 importable, transformers' KimiLinear (the reference model of tests/model) would switch to fla's kernels. Its wheels
@@ -29,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FLA_DIR = REPO / ".fla"
 WHEELS = FLA_DIR / "wheels"
+PYTEST_WHEELS = FLA_DIR / "pytest-wheels"    # only for a machine without pytest
 SITE = FLA_DIR / "site"
 sys.path[:0] = [str(REPO), str(REPO / "src")]
 
@@ -55,10 +57,12 @@ def prepare() -> int:
         shutil.copyfile(src, REPO_COPY)
     WHEELS.mkdir(parents=True, exist_ok=True)
     download(WHEELS)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--dest", str(PYTEST_WHEELS), "pytest"],
+                   check=True)
     text = REPO_COPY.read_text()
     print(f"{REPO_COPY.relative_to(REPO)}: sha256 {sha256(text)} "
           f"({'the validated copy' if sha256(text) == VALIDATED_SHA256 else 'NOT the validated copy'})")
-    for w in sorted(WHEELS.glob("*.whl")):
+    for w in sorted(WHEELS.glob("*.whl")) + sorted(PYTEST_WHEELS.glob("*.whl")):
         print(f"{w.relative_to(REPO)}: {w.stat().st_size} bytes")
     print("carry: .fla")
     return 0
@@ -97,12 +101,32 @@ def ensure_fla() -> str | None:
     return str(Path(found.__file__).parent)
 
 
-class Counts:
-    """pytest plugin: outcomes per test function, deselections, and the first line of each failure."""
+def ensure_pytest() -> None:
+    """pytest from .fla/pytest-wheels when this machine has none."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        site = SITE / "pytest"
+        if not site.is_dir():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                            str(site), *map(str, sorted(PYTEST_WHEELS.glob("*.whl")))], check=True)
+        sys.path.insert(0, str(site))
 
-    def __init__(self) -> None:
+
+class Counts:
+    """pytest plugin: outcomes per test function, deselections, the first line of each failure, and the time
+    budget (cases that would start after it are skipped)."""
+
+    def __init__(self, budget: float | None = None) -> None:
         self.by_func: dict[str, Counter] = defaultdict(Counter)
         self.failures: list[str] = []
+        self.budget, self.t0, self.over = budget, time.time(), 0
+
+    def pytest_runtest_setup(self, item) -> None:
+        if self.budget is not None and time.time() - self.t0 > self.budget:
+            import pytest
+            self.over += 1
+            pytest.skip(f"over the --budget of {self.budget:.0f} s")
 
     @staticmethod
     def func(nodeid: str) -> str:
@@ -125,6 +149,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", action="store_true", help="fetch the wheels and copy the test file into .fla/")
     ap.add_argument("-k", default=None, help="pytest -k expression (a subset)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds after which no case starts")
     args = ap.parse_args()
     if args.prepare:
         return prepare()
@@ -140,13 +165,14 @@ def main() -> int:
     if fla_from is None:
         print("fla-core 0.6.0 is not available: no wheel in .fla/wheels or .whl, and none could be downloaded")
         return NO_FLA
+    ensure_pytest()
     import pytest
 
     digest = sha256(path.read_text())
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (CPU-capable cases only)"
     print(f"fla's {path} (sha256 {digest[:16]}..., {'validated' if digest == VALIDATED_SHA256 else 'NOT validated'}"
           f" copy) against kimi_linear.ops on {dev}; fla-core from {fla_from}; torch {torch.__version__}", flush=True)
-    counts = Counts()
+    counts = Counts(args.budget)
     t0 = time.time()
     argv = [str(SUITE), "-q", "--tb=line", "-p", "no:cacheprovider", "-rs", f"--rootdir={REPO}"]
     rc = pytest.main(argv + (["-k", args.k] if args.k else []), plugins=[counts])
@@ -160,6 +186,8 @@ def main() -> int:
           f"   ({time.time() - t0:.0f} s)")
     for line in counts.failures:
         print("FAILED", line)
+    if counts.over:
+        print(f"{counts.over} cases skipped for the budget: run them with -k")
     print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped, "
           f"{total['deselected']} deselected")
     return 0 if rc in (0, 5) and not total["failed"] else 1
