@@ -229,3 +229,17 @@ def test_beta_logits_reach_the_kernels_as_torch_sigmoid(neg_eigval, monkeypatch)
     beta, opts = seen[0][4], seen[0][10]      # what the kernels were given on the in-kernel call
     assert not opts.use_beta_sigmoid_in_kernel and not opts.allow_neg_eigval
     assert beta.dtype == torch.float32 and torch.equal(beta, torch.sigmoid(logits.float()) * (2 if neg_eigval else 1))
+
+
+def test_float16_gate_parameter_gradients_masked_gates():
+    """float16 inputs, 90% of raw gates at -1000 (no decay there), two packed sequences: the gate parameters'
+    gradients are sums over every token of dG's reverse cumulative sums, so the score-gradient products must not be
+    rounded to the inputs' own 10 bits (tf32): with tf32 they were 7.4e-3 (dt_bias) and 8.1e-3 (A_log) off the
+    float64 reference, with tf32x3 4.8e-4 and 1.6e-4 (fla's test_chunk_varlen: 6.3e-3 against a 5e-3 bar on the
+    H200 with tf32)."""
+    x = make_inputs(B=1, T=256, H=2, K=64, V=32, N=2, dtype=torch.float16, raw=True, seed=60)
+    gen = torch.Generator().manual_seed(61)
+    x["g"] = torch.where(torch.rand(x["g"].shape, generator=gen) > 0.9, x["g"], torch.full_like(x["g"], -1000.0))
+    params = dict(A_log=torch.empty(2).uniform_(1, 16, generator=gen).log(), dt_bias=torch.randn(128, generator=gen))
+    opts = KernelOptions(True, True, False, False, params["A_log"], params["dt_bias"], None)
+    check(x, opts, params, bar=2e-3, cu_seqlens=torch.tensor([0, 85, 256]), only=("A_log", "dt_bias", "g"))
