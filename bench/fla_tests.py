@@ -6,6 +6,7 @@
                                                 # CPU-capable ones without (tests/fla_suite/conftest.py says which)
     python bench/fla_tests.py -k test_chunk_varlen      # a subset (pytest's -k)
     python bench/fla_tests.py --budget 420      # cases that would start after 420 s are skipped (and counted)
+    python bench/fla_tests.py --jobs 8          # the cases spread over 8 processes (Triton compiles in parallel)
 
 fla-core 0.6.0 (pure Python; it needs einops) is installed aside, never into the environment: with ``fla``
 importable, transformers' KimiLinear (the reference model of tests/model) would switch to fla's kernels. Its wheels
@@ -19,6 +20,7 @@ the counts. Exit status: 0 nothing failed, 1 failures, 2 fla's test file not fou
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -145,11 +147,79 @@ class Counts:
                 self.failures.append(f"{report.nodeid.split('::')[-1]}: {lines[0][1:].strip() if lines else '?'}")
 
 
+class Collect:
+    """pytest plugin: the selected case ids (after the suite's deselection) and the deselections per function."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.deselected: Counter = Counter()
+
+    def pytest_deselected(self, items) -> None:
+        for item in items:
+            self.deselected[Counts.func(item.nodeid)] += 1
+
+    def pytest_collection_finish(self, session) -> None:
+        self.ids = [item.nodeid for item in session.items]
+
+
+def closest(n: int = 8) -> list[list]:
+    """The suite's comparisons closest to their bars (tests/fla_suite/conftest.py records them)."""
+    conftest = sys.modules.get("tests.fla_suite.conftest")
+    rows = [[c.ratio / c.bar if c.bar > 0 else float("inf"), nodeid.split("::")[-1], c.prefix, c.ratio, c.bar,
+             c.ratio64, c.warning]
+            for nodeid, cs in (conftest.COMPARISONS.items() if conftest else []) for c in cs if c.abs_err > 1e-6]
+    return sorted(rows, key=lambda r: r[0], reverse=True)[:n]
+
+
+def sharded(pytest, argv: list[str], jobs: int, budget: float | None, k: str | None) -> tuple[Counts, list]:
+    """Run the selected cases in ``jobs`` worker processes (round robin); merged counts and closest comparisons."""
+    col = Collect()
+    pytest.main(argv + ["--collect-only", "-qq"] + (["-k", k] if k else []), plugins=[col])
+    counts = Counts()
+    for name, n in col.deselected.items():
+        counts.by_func[name]["deselected"] += n
+    out = REPO / ".fla" / "shards"
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(jobs):
+        (out / f"{i}.ids").write_text("\n".join(col.ids[i::jobs]))
+        cmd = [sys.executable, __file__, "--worker", str(out / f"{i}.ids")]
+        cmd += ["--budget", str(budget)] if budget is not None else []
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=open(out / f"{i}.log", "w"), stderr=subprocess.STDOUT))
+    rows = []
+    for i, proc in enumerate(procs):
+        proc.wait()
+        res = out / f"{i}.json"
+        if not res.exists():
+            counts.failures.append(f"worker {i} ended without results (rc {proc.returncode}): see {out / f'{i}.log'}")
+            continue
+        r = json.loads(res.read_text())
+        for name, c in r["by_func"].items():
+            counts.by_func[name].update(c)
+        counts.failures += r["failures"]
+        counts.over += r["over"]
+        rows += r["closest"]
+    return counts, sorted(rows, key=lambda r: r[0], reverse=True)[:8]
+
+
+def worker(pytest, argv: list[str], ids_file: Path, budget: float | None) -> int:
+    """One shard: run its case ids, write counts and closest comparisons next to the ids file (.json)."""
+    counts = Counts(budget)
+    ids = [x for x in ids_file.read_text().split("\n") if x]
+    rc = pytest.main(argv + ids, plugins=[counts]) if ids else 0
+    ids_file.with_suffix(".json").write_text(json.dumps(dict(
+        by_func={k: dict(v) for k, v in counts.by_func.items()}, failures=counts.failures, over=counts.over,
+        closest=closest())))
+    return rc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", action="store_true", help="fetch the wheels and copy the test file into .fla/")
     ap.add_argument("-k", default=None, help="pytest -k expression (a subset)")
     ap.add_argument("--budget", type=float, default=None, help="seconds after which no case starts")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (each compiles its own kernels)")
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.prepare:
         return prepare()
@@ -168,14 +238,24 @@ def main() -> int:
     ensure_pytest()
     import pytest
 
+    argv = [str(SUITE), "-q", "--tb=line", "-p", "no:cacheprovider", "-rs", f"--rootdir={REPO}"]
+    if args.worker:
+        return worker(pytest, argv[1:], args.worker, args.budget)
     digest = sha256(path.read_text())
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (CPU-capable cases only)"
     print(f"fla's {path} (sha256 {digest[:16]}..., {'validated' if digest == VALIDATED_SHA256 else 'NOT validated'}"
           f" copy) against kimi_linear.ops on {dev}; fla-core from {fla_from}; torch {torch.__version__}", flush=True)
-    counts = Counts(args.budget)
     t0 = time.time()
-    argv = [str(SUITE), "-q", "--tb=line", "-p", "no:cacheprovider", "-rs", f"--rootdir={REPO}"]
-    rc = pytest.main(argv + (["-k", args.k] if args.k else []), plugins=[counts])
+    if args.jobs > 1:
+        counts, rows = sharded(pytest, argv, args.jobs, args.budget, args.k)
+        rc = 0
+        print("\ncomparisons closest to fla's bars (all workers):")
+        for frac, name, prefix, ratio, bar, ratio64, warn in rows:
+            print(f"{frac:6.2f} of bar  {prefix:>8} ratio {ratio:.3g} < {bar:g}{' (fla only warns)' if warn else ''} "
+                  f"(in float64 {ratio64:.3g})  {name}")
+    else:
+        counts = Counts(args.budget)
+        rc = pytest.main(argv + (["-k", args.k] if args.k else []), plugins=[counts])
     total = Counter()
     print(f"\n{'test function':<48} {'passed':>7} {'failed':>7} {'skipped':>8} {'deselected':>11}")
     for name in sorted(counts.by_func):
