@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from kimi_linear.ops.gate import KernelOptions  # noqa: E402
+from kimi_linear.ops.triton import chunk as triton_chunk  # noqa: E402
 from kimi_linear.ops.triton import chunk_kda  # noqa: E402
 
 from .kda_cases import loss_weights, make_inputs, rel_err  # noqa: E402
@@ -195,3 +196,52 @@ def test_grid_orders(order, monkeypatch):
     cfg = LaunchConfig(grid_order=order, bwd_bk=32, bwd_intra_bk=32, o_bv=32)
     monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", cfg)
     check(make_inputs(B=1, T=90, H=1, HV=2, K=64, V=64, N=3, seed=57), cu_seqlens=torch.tensor([0, 20, 70, 90]))
+
+
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_beta_logits_reach_the_kernels_as_torch_sigmoid(neg_eigval, monkeypatch):
+    """use_beta_sigmoid_in_kernel: the kernels get ``torch.sigmoid(beta.float())`` (times 2 with negative
+    eigenvalues), computed once, so the outputs and every gradient are bit for bit those of a caller that applies
+    the sigmoid itself, as fla's test_chunk_use_beta_sigmoid_in_kernel requires at 1e-4. (Recomputed inside the
+    kernels, Triton's sigmoid differs from torch's in the last bits: here numpy's, on the GPU approximate exp and
+    division; on the H200 that moved the bf16 results past 1e-4 at T=8192.)"""
+    x = make_inputs(B=1, T=70, H=1, HV=2, K=32, V=16, dtype=torch.bfloat16, seed=41)
+    logits = torch.randn(1, 70, 2, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    do = torch.randn(1, 70, 2, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    dht = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(4))
+
+    def run(in_kernel: bool):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x["q"], x["k"], x["v"], x["g"], logits,
+                                                                     x["initial_state"])]
+        q, k, v, g, b, h0 = leaves
+        if in_kernel:
+            o, S = chunk_kda(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                             use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval)
+        else:
+            beta = torch.sigmoid(b.float()) * (2 if neg_eigval else 1)
+            o, S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        ((o * do).sum() + (S * dht).sum()).backward()
+        return [o, S] + [t.grad for t in leaves]
+
+    seen = []
+    apply = triton_chunk.ChunkKDAFunction.apply
+    monkeypatch.setattr(triton_chunk.ChunkKDAFunction, "apply", lambda *a: seen.append(a) or apply(*a))
+    for got, want in zip(run(True), run(False)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    beta, opts = seen[0][4], seen[0][10]      # what the kernels were given on the in-kernel call
+    assert not opts.use_beta_sigmoid_in_kernel and not opts.allow_neg_eigval
+    assert beta.dtype == torch.float32 and torch.equal(beta, torch.sigmoid(logits.float()) * (2 if neg_eigval else 1))
+
+
+def test_float16_gate_parameter_gradients_masked_gates():
+    """float16 inputs, 90% of raw gates at -1000 (no decay there), two packed sequences: the gate parameters'
+    gradients are sums over every token of dG's reverse cumulative sums, so the score-gradient products must not be
+    rounded to the inputs' own 10 bits (tf32): with tf32 they were 7.4e-3 (dt_bias) and 8.1e-3 (A_log) off the
+    float64 reference, with tf32x3 4.8e-4 and 1.6e-4 (fla's test_chunk_varlen: 6.3e-3 against a 5e-3 bar on the
+    H200 with tf32)."""
+    x = make_inputs(B=1, T=256, H=2, K=64, V=32, N=2, dtype=torch.float16, raw=True, seed=60)
+    gen = torch.Generator().manual_seed(61)
+    x["g"] = torch.where(torch.rand(x["g"].shape, generator=gen) > 0.9, x["g"], torch.full_like(x["g"], -1000.0))
+    params = dict(A_log=torch.empty(2).uniform_(1, 16, generator=gen).log(), dt_bias=torch.randn(128, generator=gen))
+    opts = KernelOptions(True, True, False, False, params["A_log"], params["dt_bias"], None)
+    check(x, opts, params, bar=2e-3, cu_seqlens=torch.tensor([0, 85, 256]), only=("A_log", "dt_bias", "g"))

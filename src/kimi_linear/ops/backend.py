@@ -1,6 +1,8 @@
 """Which implementation runs an op: the Triton kernels on CUDA tensors when present, else PyTorch.
 
 ``KIMI_LINEAR_BACKEND=torch`` forces the PyTorch path everywhere (debugging, or to compare the two).
+``KIMI_LINEAR_BACKEND=triton`` with ``TRITON_INTERPRET=1`` also sends CPU tensors to the Triton kernels, run by
+Triton's interpreter: the GPU path's arithmetic checked on a machine without a GPU (slow; tests and debugging).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import torch
 
 def triton_op(name: str, x: torch.Tensor) -> Callable | None:
     """The Triton implementation of ``name`` from :mod:`kimi_linear.ops.triton` if ``x`` lives on a CUDA
-    device, Triton imports, and that module provides it; otherwise None (use PyTorch)."""
-    if not x.is_cuda or os.environ.get("KIMI_LINEAR_BACKEND", "").lower() == "torch":
+    device (or the interpreter is asked for, module docstring), Triton imports, and that module provides it;
+    otherwise None (use PyTorch)."""
+    choice = os.environ.get("KIMI_LINEAR_BACKEND", "").lower()
+    interpreted = choice == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if choice == "torch" or not (x.is_cuda or interpreted):
         return None
     try:
         module = importlib.import_module("kimi_linear.ops.triton")

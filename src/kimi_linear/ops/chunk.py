@@ -6,7 +6,15 @@ import torch
 
 from .backend import triton_op
 from .checks import KDAShape, check_kda_inputs
-from .compat import CHUNK_SIZE, check_chunk_size, check_cu_seqlens_cpu, gate_params, k_first, v_first
+from .compat import (
+    CHUNK_SIZE,
+    check_chunk_size,
+    check_cu_seqlens_cpu,
+    gate_params,
+    k_first,
+    resolve_state_v_first,
+    v_first,
+)
 from .gate import KernelOptions
 from .intra import ChunkIntra, safe_exp, wy_representation
 from .layout import SequenceLayout, expand_heads
@@ -88,6 +96,7 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Kimi Delta Attention, chunkwise (chunk 64); differentiable in every tensor input. fla-core 0.6's signature.
 
@@ -105,17 +114,19 @@ def chunk_kda(
         use_beta_sigmoid_in_kernel: ``beta <- sigmoid(beta)`` (``2 * sigmoid`` with ``allow_neg_eigval``).
         safe_gate, disable_recompute, cu_seqlens_cpu: accepted with fla's meaning; they change nothing here
             (:mod:`kimi_linear.ops.compat` says why).
-        return_intermediate_states: also return the state at the start of every chunk, [B, NT, HV, K, V] in q's
-            dtype (NT chunks per sequence; with ``cu_seqlens`` B = 1 and NT counts every sequence's chunks), for
-            inference (no gradient). Runs the PyTorch path.
-        state_v_first: states in and out are ``[.., V, K]``.
+        return_intermediate_states: also return the state at the start of every chunk of ``chunk_size`` tokens,
+            [B, NT, HV, K, V] in q's dtype (NT chunks per sequence; with ``cu_seqlens`` B = 1 and NT counts every
+            sequence's chunks), for inference (no gradient). Runs the PyTorch path.
+        state_v_first: states in and out are ``[.., V, K]`` (``transpose_state_layout``: fla's deprecated name).
         cu_seqlens: [N+1] int offsets of packed sequences (B must be 1), one state per sequence.
-        chunk_size: 64 (the only one).
+        chunk_size: 32 or 64 as in fla; it changes only the chunks of ``return_intermediate_states`` (the kernels
+            run 64-token chunks, the same function).
 
     Returns ``(o, final_state)`` (or ``(o, final_state, h)``): o [B, T, HV, V] in q's dtype; final_state or None.
     """
     check_chunk_size(chunk_size)
     check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
     initial_state = k_first(initial_state, state_v_first)
     shape = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = shape.K ** -0.5 if scale is None else scale
@@ -130,20 +141,21 @@ def chunk_kda(
         return o, v_first(final, state_v_first)
     out_dtype = q.dtype
     q, k, g, beta = opts.apply(q, k, g, beta)
-    o, final, starts = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens)
+    C = chunk_size if return_intermediate_states else CHUNK_SIZE
+    o, final, starts = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens, C)
     final = v_first(final.float(), state_v_first) if output_final_state else None
     if not return_intermediate_states:
         return o.to(out_dtype), final
-    return o.to(out_dtype), final, v_first(chunk_starts(starts, shape, cu_seqlens).to(out_dtype), state_v_first)
+    return o.to(out_dtype), final, v_first(chunk_starts(starts, cu_seqlens, C).to(out_dtype), state_v_first)
 
 
-def chunk_starts(starts: torch.Tensor, shape: KDAShape, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def chunk_starts(starts: torch.Tensor, cu_seqlens: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
     """Per-chunk start states [N, HV, NC, K, V] (every sequence padded to NC chunks) in fla's layout: [B, NC, HV,
-    K, V], or [1, NT, HV, K, V] with each packed sequence's own ceil(len / 64) chunks back to back."""
+    K, V], or [1, NT, HV, K, V] with each packed sequence's own ceil(len / chunk_size) chunks back to back."""
     h = starts.transpose(1, 2)                                                 # [N, NC, HV, K, V]
     if cu_seqlens is None:
         return h
-    n_chunks = [-(-n // CHUNK_SIZE) for n in cu_seqlens.diff().tolist()]
+    n_chunks = [-(-n // chunk_size) for n in cu_seqlens.diff().tolist()]
     return torch.cat([h[i, :c] for i, c in enumerate(n_chunks)])[None]
 
 

@@ -9,14 +9,21 @@ once, so the public functions stay readable:
   are exact for any gate, so it is only validated (with the in-kernel gate it needs ``-5 <= lower_bound < 0``).
 - ``lower_bound`` without the in-kernel gate: the bound the caller's precomputed gates respect; unused.
 - ``A_log=None`` with ``lower_bound``: ``g = lower_bound * sigmoid(g + dt_bias)``, i.e. ``A_log = 0``.
-- ``chunk_size``: 64 only (ours is fixed at 64).
+- ``chunk_size``: 32 or 64, as fla takes them (others are refused with fla's message). It chooses how fla tiles the
+  work, not what is computed: our kernels run 64-token chunks for either, except where the chunks are visible,
+  ``return_intermediate_states`` (the state at the start of every ``chunk_size`` tokens).
+- ``transpose_state_layout``: fla's deprecated name of ``state_v_first`` (a DeprecationWarning; both at once is an
+  error, as in fla).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 CHUNK_SIZE = 64
+CHUNK_SIZES = (32, 64)
 
 
 def gate_params(use_gate_in_kernel: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
@@ -37,9 +44,19 @@ def gate_params(use_gate_in_kernel: bool, A_log: torch.Tensor | None, dt_bias: t
 
 
 def check_chunk_size(chunk_size: int) -> None:
-    if chunk_size != CHUNK_SIZE:
-        raise ValueError(f"`chunk_size` must be {CHUNK_SIZE} (the only chunk size of these kernels), got "
-                         f"{chunk_size!r}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size!r}")
+
+
+def resolve_state_v_first(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
+    """``state_v_first``, after fla's deprecated spelling ``transpose_state_layout`` (module docstring)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+    warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                  stacklevel=3)
+    return bool(transpose_state_layout)
 
 
 def k_first(state: torch.Tensor | None, state_v_first: bool) -> torch.Tensor | None:

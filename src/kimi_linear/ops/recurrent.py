@@ -7,7 +7,7 @@ import torch
 from .backend import triton_op
 from .checks import check_kda_inputs
 from .chunk import compute_dtype
-from .compat import gate_params, k_first, v_first
+from .compat import gate_params, k_first, resolve_state_v_first, v_first
 from .gate import L2NORM_EPS, KernelOptions, as_float32, fused_kda_gate
 from .layout import SequenceLayout, expand_heads
 
@@ -90,10 +90,12 @@ def fused_recurrent_kda(
     num_accepted_tokens: torch.Tensor | None = None,
     inplace_final_state: bool | None = None,
     out: torch.Tensor | None = None,
+    transpose_state_layout: bool | None = None,
     trusted_indices: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA one token at a time: the decode path. fla-core 0.6's signature; the options mean what they mean for
-    :func:`~kimi_linear.ops.chunk_kda` (``state_v_first``: states ``[.., V, K]``), plus:
+    :func:`~kimi_linear.ops.chunk_kda` (``state_v_first``: states ``[.., V, K]``; ``transpose_state_layout``: its
+    deprecated name), plus:
 
     state_indices: [N] int. When given, ``initial_state`` is a state pool ``[num_slots, HV, K, V]`` float32;
         sequence n starts from row ``state_indices[n]`` and its final state is written back into that row in
@@ -108,6 +110,7 @@ def fused_recurrent_kda(
         chain and an asynchronous assert); a caller that allocated the pool rows itself (the model's decode step)
         passes True to skip that. Out-of-range rows then read and write out of bounds: never pass user input.
     """
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
     options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                    allow_neg_eigval=allow_neg_eigval, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
@@ -133,6 +136,56 @@ def fused_recurrent_kda(
         out.copy_(o)
         o = out
     return o, final
+
+
+def fused_recurrent_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    inplace_final_state: bool = True,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla-core 0.6's ``fused_recurrent_kda_fwd`` (``fla.ops.kda.fused_recurrent``), the forward that serving
+    engines call: :func:`fused_recurrent_kda` with fla's argument order and ``inplace_final_state=True`` by default,
+    i.e. ``initial_state`` is a state pool that receives the final states and is returned: into rows
+    ``ssm_state_indices`` (their meaning in :func:`fused_recurrent_kda`), or without them row n for sequence n.
+    With ``inplace_final_state=False`` the final states come back as new tensors when ``output_final_state``.
+    Returns (o [B, T, HV, V], the pool or the final states or None)."""
+    options = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                   cu_seqlens=cu_seqlens, out=out)
+    if ssm_state_indices is not None:
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
+                                   output_final_state=output_final_state, ssm_state_indices=ssm_state_indices,
+                                   num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
+                                   **options)
+    if not inplace_final_state:
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
+                                   output_final_state=output_final_state, **options)
+    if initial_state is None:
+        raise ValueError("`inplace_final_state=True` needs `initial_state`: the states to update in place")
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    rows = torch.arange(N, device=initial_state.device)
+    o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                               state_indices=rows, **options)
+    return o, initial_state
 
 
 def _continuous_batching(q, k, v, g, beta, pool, indices, num_accepted, inplace, state_v_first, cu_seqlens,

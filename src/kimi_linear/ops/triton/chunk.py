@@ -119,6 +119,15 @@ def chunk_kda(
         check_gate_params(HV, K, A_log, dt_bias, lower_bound)
     elif A_log is not None or dt_bias is not None or lower_bound is not None:
         raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
+    if use_beta_sigmoid_in_kernel:
+        # Once, in float32, by torch's own sigmoid (differentiated by autograd), as fla does before its kernels:
+        # beta given as logits then reaches the kernels with the same bits as sigmoid(beta.float()) computed by the
+        # caller. Recomputed inside the kernels (Triton's sigmoid: approximate exp and division on the GPU), beta
+        # differed from torch's by a few ulps, which moved the bf16 outputs and gradients by up to 6e-5 relative
+        # at T=512 and past fla's 1e-4 bar at T=8192 (its test_chunk_use_beta_sigmoid_in_kernel).
+        beta = torch.sigmoid(beta.float())
+        beta = 2 * beta if allow_neg_eigval else beta
+        use_beta_sigmoid_in_kernel = allow_neg_eigval = False
     opts = KernelOptions(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                          A_log, dt_bias, lower_bound)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))

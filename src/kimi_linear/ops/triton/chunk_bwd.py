@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .chunk_common import (
     SAFE_EXP,
+    cast,
     chunk_coords,
     chunk_gate_terms,
     chunk_separable,
@@ -171,7 +172,7 @@ def chunk_kda_bwd_wy_kernel(
         b_db = b_db * b_s * (1.0 - b_s)
         if NEG_EIGVAL:
             b_db = 2.0 * b_db
-    tl.store(dbeta + ((bos + t0) * HV + i_hv) + o_t * HV, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + ((bos + t0) * HV + i_hv) + o_t * HV, cast(b_db, dbeta.dtype.element_ty), mask=m_t)
 
 
 @triton.jit

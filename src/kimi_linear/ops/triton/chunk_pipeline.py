@@ -93,7 +93,8 @@ class LaunchConfig:
     # The score-gradient kernel: key channels per program, warps (0: bwd_warps) and the products of 16-bit inputs.
     # tf32 (operands rounded, tf32_round) with 32 channels and 2 warps timed 6.08 ms against 8.05 for tf32x3 with
     # 64 and 4 (H200, 2026-12-01); the gradients then differ from tf32x3's by 1e-3 (dq, dk) and 5e-3 (dg), and
-    # from the float64 reference at full size by at most 4.4e-3 (dA_log 6.7e-3; bar 2e-2). float32 inputs: ieee
+    # from the float64 reference at full size by at most 4.4e-3 (dA_log 6.7e-3; bar 2e-2). bfloat16 inputs only:
+    # float16 inputs take tf32x3, float32 inputs ieee (Problem.prec_exact says why)
     bwd_intra_bk: int = 32
     bwd_intra_warps: int = 2
     bwd_intra_prec: str = "tf32"
@@ -205,10 +206,15 @@ class Problem:
         self.BVmax = max(16, triton.next_power_of_2(self.V))
         self.dtype, self.device = q.dtype, q.device
         half = q.dtype in (torch.bfloat16, torch.float16)
-        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands (the score gradients:
-        # LaunchConfig.bwd_intra_prec).
+        # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands. The score gradients
+        # (prec_exact): LaunchConfig.bwd_intra_prec for bfloat16 inputs, whose 8-bit mantissas tf32's 10 bits
+        # exceed; tf32x3 for float16 inputs, whose 10 bits tf32 does not. Their dG is a difference of row and column
+        # shares that the gate's reverse cumulative sum then adds up over the sequence, so rounding its products to
+        # the inputs' own precision showed in dt_bias's gradient: fla's test_chunk_varlen (float16, 90% of gates
+        # masked) measured 6.3e-3 on the H200 against its 5e-3 bar with tf32; under the interpreter 5.0e-3 with
+        # tf32 against 3.6e-4 with tf32x3 (A_log's gradient 1.4e-2 against 1.4e-3; float64 reference).
         self.prec = "tf32" if half else "ieee"
-        self.prec_exact = cfg.bwd_intra_prec if half else "ieee"
+        self.prec_exact = {torch.bfloat16: cfg.bwd_intra_prec, torch.float16: "tf32x3"}.get(q.dtype, "ieee")
         self.sdt = torch.bfloat16 if (q.dtype == torch.bfloat16 and cfg.store == "input") else torch.float32
         self.opts, self.cfg = opts, cfg
         wide = self.fills_sms(64)
