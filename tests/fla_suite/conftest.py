@@ -6,8 +6,9 @@ Deselected on a machine without CUDA: the cases that are not CPU-capable. On CPU
 over tokens (fla's ``naive_recurrent_kda`` reference, with autograd, and our recurrent path), so a case's time
 grows with its token count: a case runs when its batch holds at most :data:`CPU_MAX_TOKENS` tokens (``B * T``, or
 the packed length ``cu_seqlens[-1]``; cases without size parameters, which check arguments and shapes, always
-run). 512 tokens keeps each case within seconds on two cores (the whole CPU selection, 38 cases: 30-60 s); the next
-size up in fla's file is 1000-2048 tokens at head dims 100-128, 10-50 s a case. ``KIMI_LINEAR_FLA_ALL=1``
+run). 512 tokens keeps each case within seconds on two cores (the whole CPU selection, 38 cases: 6 s on an idle
+machine, 30-60 s on a shared one); the next size up in fla's file is 1000-2048 tokens at head dims 100-128, 10-50 s
+a case on a shared machine. ``KIMI_LINEAR_FLA_ALL=1``
 runs every case on CPU anyway. With CUDA every case but :data:`DESELECTED` runs.
 """
 
