@@ -33,10 +33,12 @@ if "--smoke" in sys.argv:
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kimi_linear.ops.triton.conv as tri_conv
 from kimi_linear.ops.conv import short_conv
 from kimi_linear.ops.rms_norm import rms_norm_torch
 from kimi_linear.ops.triton import add_rms_norm, rms_norm, short_conv_decode
+from moe_gpu import capture  # noqa: E402  (a sibling bench script: the graph capture it times with)
 
 CALLS = 20          # calls per captured graph
 FAILED: list[str] = []
@@ -76,26 +78,9 @@ def verdict(name: str, ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def capture(fn, device: str, calls: int = 1):
-    """fn called ``calls`` times inside one CUDA graph (after a warm-up that compiles the kernels); returns the
-    replay. On CPU: a function that makes the same calls."""
-    if device != "cuda":
-        return lambda: [fn() for _ in range(calls)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
-
-
 def time_us(fn, device: str, reps: int) -> float:
     """Median microseconds per call of fn, CALLS calls replayed from one CUDA graph."""
-    replay = capture(fn, device, CALLS)
+    replay = capture(fn, device, CALLS)[0]
     replay()
     if device != "cuda":
         t = time.perf_counter()
@@ -119,7 +104,7 @@ def graph_equals_eager(fn, inputs: list[torch.Tensor], device: str, state: torch
     first ``live`` rows: padding rows read a raced scratch slot) and ``state``, a tensor fn updates in place, from
     the same starting values (all but its last row: the padding rows' scratch slot)."""
     out = []                 # on CUDA the capture appends the graph's static outputs once; replays refill them
-    replay = capture(lambda: out.append(fn()), device)
+    replay = capture(lambda: out.append(fn()), device)[0]
     gen = torch.Generator(device=device).manual_seed(9)
     for t in inputs:
         t.copy_(torch.randn(t.shape, generator=gen, device=device).to(t.dtype))

@@ -136,12 +136,20 @@ def time_eager(fn, device: str, reps: int) -> float:
     return statistics.median(times)
 
 
-def capture(fn, device: str):
-    """fn captured in a CUDA graph after a warm-up on a side stream (compiles the kernels); returns (replay,
-    output). On CPU the same contract without a graph: replay recomputes into the one output tensor."""
+def capture(fn, device: str, calls: int = 1):
+    """fn called ``calls`` times in one CUDA graph after a warm-up on a side stream (compiles the kernels);
+    returns (replay, output of the last call). On CPU the same contract without a graph: replay makes the calls
+    again and copies a tensor result into that one output."""
     if device != "cuda":
         out = fn()
-        return (lambda: out.copy_(fn())), out
+
+        def replay() -> None:
+            for _ in range(calls):
+                new = fn()
+                if isinstance(out, torch.Tensor):
+                    out.copy_(new)
+
+        return replay, out
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -149,7 +157,8 @@ def capture(fn, device: str):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fn()
+        for _ in range(calls):
+            out = fn()
     return graph.replay, out
 
 
