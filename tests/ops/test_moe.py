@@ -219,6 +219,20 @@ def test_sigmoid_topk_triton_matches_torch():
         assert torch.allclose(w, w_ref, rtol=1e-6, atol=0)
 
 
+def test_sigmoid_topk_nan_ranks_first_as_torch():
+    """A NaN logit is chosen first (torch.topk's order) and its row's weights come out NaN on both paths: never an
+    out-of-range expert id that the fused MoE would drop without a trace."""
+    from kimi_linear.ops.moe import sigmoid_topk_torch
+    from kimi_linear.ops.triton.moe import sigmoid_topk as tri
+
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+    logits[0, 3] = float("nan")
+    w, i = tri(logits, torch.zeros(8), 2, True, 1.0)
+    w_ref, i_ref = sigmoid_topk_torch(logits, torch.zeros(8), 2, True, 1.0)
+    assert torch.equal(i, i_ref) and i[0, 0] == 3 and bool(w[0].isnan().all()) and bool(w_ref[0].isnan().all())
+    assert torch.allclose(w[1], w_ref[1], rtol=1e-6, atol=0)
+
+
 def test_sigmoid_topk_dispatch_and_errors(monkeypatch):
     """The public op takes the Triton kernel only when no gradient is needed (here forced on CPU tensors), and
     names a bad argument."""

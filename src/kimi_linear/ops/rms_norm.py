@@ -1,4 +1,4 @@
-"""RMSNorm of the residual stream, and the residual add fused with it (SPEC section 4: pre-norm decoder layers).
+"""RMSNorm of the residual stream, and the residual add fused with it (docs/model.md: pre-norm decoder layers).
 
     n = x / sqrt(mean(x^2) + eps)            in float32
     y = weight * n.to(x.dtype)               (16-bit x: the cast comes *before* the weight multiply, as the

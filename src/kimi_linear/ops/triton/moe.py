@@ -307,7 +307,10 @@ def sigmoid_topk_kernel(
     o_e = tl.arange(0, BE)
     m_e = o_e < E
     b_s = tl.sigmoid(tl.load(logits + i_n * E + o_e, mask=m_e, other=0.0))                  # [BE]
-    b_c = tl.where(m_e, b_s + tl.load(bias + o_e, mask=m_e, other=0.0), float("-inf"))      # [BE]
+    b_c = b_s + tl.load(bias + o_e, mask=m_e, other=0.0)
+    # NaN ranks first, as in torch.topk (it then reaches the output, as on the PyTorch path, instead of an
+    # out-of-range id that the fused MoE would silently drop).
+    b_c = tl.where(m_e, tl.where(b_c != b_c, float("inf"), b_c), float("-inf"))             # [BE]
     o_k = tl.arange(0, BK)
     b_w = tl.zeros([BK], dtype=tl.float32)
     b_i = tl.zeros([BK], dtype=tl.int32)
