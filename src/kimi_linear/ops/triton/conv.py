@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_common import cast
+
 
 @triton.jit
 def load_full(x, past, i_b, r, o_c, T, C, W: tl.constexpr, HAS_PAST: tl.constexpr):
@@ -66,7 +68,7 @@ def short_conv_fwd_kernel(
     o_c = i_c * BC + tl.arange(0, BC)
     b_z = pre_activation(x, w, past, pos, i_b, t, o_c, T, C, W, HAS_PAST, HAS_POS)      # [BT, BC]
     b_y = b_z * tl.sigmoid(b_z)
-    tl.store(y + (i_b * T + t)[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty),
+    tl.store(y + (i_b * T + t)[:, None] * C + o_c[None, :], cast(b_y, y.dtype.element_ty),
              mask=(t < T)[:, None] & (o_c < C)[None, :])
 
 
@@ -103,10 +105,10 @@ def short_conv_bwd_kernel(
                 b_dwj = tl.sum(b_dzv * b_x, 0)                             # [BC]
                 tl.store(dw_p + ((i_b * NR + i_r) * W + jj) * C + o_c, b_dwj, mask=m_c)
     s = r - (W - 1)
-    tl.store(dx + (i_b * T + s)[:, None] * C + o_c[None, :], b_dfull.to(dx.dtype.element_ty),
+    tl.store(dx + (i_b * T + s)[:, None] * C + o_c[None, :], cast(b_dfull, dx.dtype.element_ty),
              mask=((s >= 0) & (s < T))[:, None] & m_c[None, :])
     if HAS_PAST:
-        tl.store(dpast + (i_b * (W - 1) + r)[:, None] * C + o_c[None, :], b_dfull.to(dpast.dtype.element_ty),
+        tl.store(dpast + (i_b * (W - 1) + r)[:, None] * C + o_c[None, :], cast(b_dfull, dpast.dtype.element_ty),
                  mask=(s < 0)[:, None] & m_c[None, :])
 
 
@@ -130,9 +132,9 @@ def short_conv_decode_kernel(
     b_full = tl.where(r == W - 1, b_x[None, :], b_full)
     b_w = tl.load(w + r * C + o_c[None, :], mask=(r < W) & m_c, other=0.0).to(tl.float32)
     b_z = tl.sum(b_full * b_w, 0)                                          # [BC]
-    tl.store(y + i_b * C + o_c, (b_z * tl.sigmoid(b_z)).to(y.dtype.element_ty), mask=o_c < C)
+    tl.store(y + i_b * C + o_c, cast(b_z * tl.sigmoid(b_z), y.dtype.element_ty), mask=o_c < C)
     tl.debug_barrier()                     # every thread's window read is done before any row is overwritten
-    tl.store(p_win + (r - 1) * C, b_full.to(pool.dtype.element_ty), mask=(r >= 1) & (r < W) & m_c)
+    tl.store(p_win + (r - 1) * C, cast(b_full, pool.dtype.element_ty), mask=(r >= 1) & (r < W) & m_c)
 
 
 # [32, 64] tiles: the backward holds about five float32 tiles at once; with 128 channels it spilled (offline sm_90

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_common import cast
+
 
 @triton.jit
 def rms_norm_kernel(
@@ -32,14 +34,14 @@ def rms_norm_kernel(
     b_x = tl.load(x + rows[:, None] * sx + o_d[None, :], mask=m, other=0.0).to(tl.float32)      # [BR, BD]
     if HAS_DELTA:
         b_d = tl.load(delta + rows[:, None] * sd + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-        b_s = (b_x + b_d).to(s.dtype.element_ty)           # the sum as the residual stream stores it
+        b_s = cast(b_x + b_d, s.dtype.element_ty)           # the sum as the residual stream stores it
         tl.store(s + rows[:, None] * D + o_d[None, :], b_s, mask=m)
         b_x = b_s.to(tl.float32)
     b_r = tl.math.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)                                       # [BR]
     # cast to the input dtype before the weight multiply (a no-op for float32 inputs)
-    b_n = (b_x * b_r[:, None]).to(x.dtype.element_ty).to(tl.float32)
+    b_n = cast(b_x * b_r[:, None], x.dtype.element_ty).to(tl.float32)
     b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)                            # [BD]
-    tl.store(y + rows[:, None] * D + o_d[None, :], (b_n * b_w[None, :]).to(y.dtype.element_ty), mask=m)
+    tl.store(y + rows[:, None] * D + o_d[None, :], cast(b_n * b_w[None, :], y.dtype.element_ty), mask=m)
 
 
 def row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
