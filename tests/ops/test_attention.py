@@ -40,6 +40,22 @@ def test_matches_reference(path, causal, dtype, monkeypatch):
     assert (out.double() - want).abs().max() < bar and (lse.double() - want_lse).abs().max() < bar
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash / memory-efficient kernels need a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, dv, bar", [(torch.bfloat16, 128, 2.0**-7), (torch.bfloat16, 192, 2.0**-7),
+                                            (torch.float32, 128, 1e-5)])
+def test_cuda_kernels_match_reference(causal, dtype, dv, bar):
+    """The CUDA paths (flash for 16-bit with dv <= d: v padded; memory-efficient for float32) and their
+    log-sum-exp convention, at MLA's widths (d = 192, dv = 128), against float64 (CPU CI cannot run this)."""
+    q, k, v = (t.cuda() for t in inputs(T=67, S=67 if causal else 131, d=192, dv=dv, dtype=dtype, seed=4))
+    kernel = att.attention_kernel(q, dv)
+    out, lse = att.attention_lse(q, k, v, 192**-0.5, causal)
+    want, want_lse = reference(q.cpu(), k.cpu(), v.cpu(), 192**-0.5, causal)
+    assert kernel in ("flash", "efficient") and att.attention_kernel(q, dv) == kernel     # no fallback happened
+    assert (out.cpu().double() - want).abs().max() < bar * want.abs().max()
+    assert (lse.cpu().double() - want_lse).abs().max() < 1e-3
+
+
 def test_kernel_choice():
     q = torch.zeros(1, 1, 2, 16)
     assert att.attention_kernel(q, 12) == "cpu-flash"
