@@ -46,7 +46,8 @@ class EngineConfig:
     max_num_scored_tokens: prompt tokens scored in one forward for requests that ask for their prompt's
         log-probs (``SamplingParams.prompt_logprobs``): such prompts are packed into one row up to this many tokens
         (a longer one runs alone, this many tokens per forward through the hybrid cache). The packed forward's MLA
-        mask is [T, T], so this bounds its memory. ``None``: 2048 on CPU, 8192 on a GPU.
+        mask is [T, T] and its logits [T, vocab] in the model dtype (8192 x 163840 in bf16: 2.7 GB, outside the
+        cache budget ``memory``), so this bounds its memory. ``None``: 2048 on CPU, 8192 on a GPU.
     prefix_caching: share full MLA blocks by hash chain and restore KDA snapshots.
     num_snapshots: KDA snapshot slots for prefix caching (LRU); default ``4 * max_num_seqs``.
     cuda_graphs: run batched decode steps through the fixed-shape step of ``kimi_linear.model.paged`` (KDA states
