@@ -27,3 +27,19 @@ def triton_op(name: str, x: torch.Tensor) -> Callable | None:
     except ImportError:
         return None
     return getattr(module, name, None)
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def for_inference(fast: Callable | None, *tensors: torch.Tensor,
+                  dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES) -> Callable | None:
+    """``fast`` (a :func:`triton_op` lookup, done first: it answers None for a CPU tensor at once, and CPU decoding
+    pays per check) when kernels without a backward that compute in float32 may run: ``tensors[0]`` non-empty,
+    every tensor's dtype in ``dtypes``, no gradient tracked through any of them (training keeps the PyTorch path);
+    else None."""
+    if fast is None or tensors[0].numel() == 0 or any(t.dtype not in dtypes for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return fast

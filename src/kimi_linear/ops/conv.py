@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import triton_op
+from .backend import for_inference, triton_op
 
 
 def check_short_conv_inputs(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None,
@@ -143,9 +143,8 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
     (PyTorch: index_select, the conv, the next window, index_copy_); this path is the reference and the fallback.
     """
     check_short_conv_decode_inputs(x, weight, conv_pool, index)
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     # The kernel computes and stores the window in float32: float64 stays on the PyTorch path.
-    fast = None if grad or x.shape[0] == 0 or x.dtype == torch.float64 else triton_op("short_conv_decode", x)
+    fast = for_inference(triton_op("short_conv_decode", x), x, weight)
     if fast is not None and conv_pool.stride(2) == 1 and conv_pool.stride(1) == x.shape[-1]:
         return fast(x, weight, conv_pool, index)
     past = conv_pool.index_select(0, index)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import triton_op
+from .backend import for_inference, triton_op
 
 ACTIVATIONS = ("silu", "situ")
 
@@ -166,8 +166,7 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: 
         raise ValueError(f"sigmoid_topk: bias must be a floating tensor [E={E}], got {bias.dtype} {tuple(bias.shape)}")
     if not 1 <= k <= E:
         raise ValueError(f"sigmoid_topk: k must be in [1, E={E}], got {k}")
-    grad = torch.is_grad_enabled() and (logits.requires_grad or bias.requires_grad)
-    fast = None if grad or logits.dtype != torch.float32 else triton_op("sigmoid_topk", logits)
+    fast = for_inference(triton_op("sigmoid_topk", logits), logits, bias, dtypes=(torch.float32,))
     if fast is None:
         return sigmoid_topk_torch(logits, bias, k, renormalize, scale)
     return fast(logits, bias, k, renormalize, scale)

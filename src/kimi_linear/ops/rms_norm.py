@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import triton_op
+from .backend import for_inference, triton_op
 from .norm import upcast
 
 # dtypes the kernels handle (their math is float32); float64 stays on the PyTorch path
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -38,22 +37,11 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _kernel(x: torch.Tensor, weight: torch.Tensor, name: str, *others: torch.Tensor):
-    """The Triton op ``name`` when it may run: CUDA, kernel dtypes, and no gradient to track (the kernels have no
-    backward; training keeps the PyTorch path); else None."""
-    fast = triton_op(name, x)        # first: it answers None for a CPU tensor at once (CPU decoding pays per check)
-    if fast is None or x.numel() == 0 or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *others)):
-        return None
-    return fast
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x: [..., D], weight: [D] -> [..., D] (module docstring) in ``torch.promote_types(weight.dtype, x.dtype)``
     (x's dtype when they match). Differentiable (through the PyTorch path)."""
     check_rms_norm_inputs(x, weight)
-    fast = _kernel(x, weight, "rms_norm")
+    fast = for_inference(triton_op("rms_norm", x), x, weight)
     return fast(x, weight, eps) if fast is not None else rms_norm_torch(x, weight, eps)
 
 
@@ -66,7 +54,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     if delta.shape != x.shape or delta.device != x.device:
         raise ValueError(f"add_rms_norm: delta must be x's shape {tuple(x.shape)} on {x.device}, got "
                          f"{tuple(delta.shape)} on {delta.device}")
-    fast = _kernel(x, weight, "add_rms_norm", delta) if delta.dtype == x.dtype else None
+    fast = for_inference(triton_op("add_rms_norm", x), x, weight, delta) if delta.dtype == x.dtype else None
     if fast is not None:
         return fast(x, delta, weight, eps)
     s = x + delta
