@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -38,7 +36,7 @@ import kimi_linear.ops.triton.conv as tri_conv
 from kimi_linear.ops.conv import short_conv
 from kimi_linear.ops.rms_norm import rms_norm_torch
 from kimi_linear.ops.triton import add_rms_norm, rms_norm, short_conv_decode
-from moe_gpu import capture  # noqa: E402  (a sibling bench script: the graph capture it times with)
+from moe_gpu import capture, time_eager  # noqa: E402  (a sibling bench script: the graph capture it times with)
 
 CALLS = 20          # calls per captured graph
 FAILED: list[str] = []
@@ -80,22 +78,7 @@ def verdict(name: str, ok: bool) -> str:
 
 def time_us(fn, device: str, reps: int) -> float:
     """Median microseconds per call of fn, CALLS calls replayed from one CUDA graph."""
-    replay = capture(fn, device, CALLS)[0]
-    replay()
-    if device != "cuda":
-        t = time.perf_counter()
-        replay()
-        return (time.perf_counter() - t) * 1e6 / CALLS
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return statistics.median(times)
+    return time_eager(capture(fn, device, CALLS)[0], device, reps) / CALLS
 
 
 def graph_equals_eager(fn, inputs: list[torch.Tensor], device: str, state: torch.Tensor | None = None,
