@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from kimi_linear.layers import LatentCache, PagedLatentView, PagedPrefillView, VarlenKDAState, VarlenLatents
+from kimi_linear.layers import (
+    LatentCache,
+    PagedLatentView,
+    PagedPrefillView,
+    VarlenKDAState,
+    VarlenLatents,
+    pool_rows,
+)
 from kimi_linear.model.cache import HybridCache
 from kimi_linear.model.paged import DecodeGraphs
 from kimi_linear.model.scoring import PromptScores, score_prompts
@@ -88,7 +95,7 @@ class ModelRunner:
             if T == 1:
                 bs = cm.cfg.block_size
                 lens = torch.tensor(ps, device=self.device)
-                dst = table.gather(1, (lens // bs)[:, None])[:, 0].long() * bs + lens % bs
+                dst = pool_rows(table, lens[:, None], bs)[:, 0]
                 views: list = [PagedLatentView(data, table, lens + 1, dst) for data in cm.blocks.data]
             else:
                 views = [PagedPrefillView(data, table, L) for data in cm.blocks.data]

@@ -8,7 +8,7 @@ from .activation import SiTUGLU, make_glu, silu_glu
 from .attn_res import AttnResState, depth_mix
 from .kda import KDAState, KimiDeltaAttention, PooledKDAState, VarlenKDAState
 from .linear import Linear
-from .mla import LatentCache, NoPEMLA, PagedLatentView, PagedPrefillView, VarlenLatents
+from .mla import LatentCache, NoPEMLA, PagedLatentView, PagedPrefillView, VarlenLatents, pool_rows
 from .mlp import SwiGLUMLP
 from .moe import Expert, SigmoidTopKRouter, SparseMoE
 from .norm import GatedRMSNorm, RMSNorm
@@ -35,4 +35,5 @@ __all__ = [
     "SwiGLUMLP",
     "VarlenKDAState",
     "VarlenLatents",
+    "pool_rows",
 ]

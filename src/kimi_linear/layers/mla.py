@@ -48,6 +48,12 @@ class LatentCache:
         self.buf = self.buf[rows]
 
 
+def pool_rows(block_table: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat rows ``block * block_size + offset`` of a paged pool (viewed [blocks * block_size, width]) holding the
+    positions ``pos`` ([B, n] int64, per row of ``block_table`` [B, max_blocks]): int64 [B, n]."""
+    return block_table.gather(1, pos // block_size).long() * block_size + pos % block_size
+
+
 @dataclass
 class PagedLatentView:
     """One MLA layer's paged block pool as seen by a batch of one-token decode rows (the engine builds one per layer
@@ -100,8 +106,8 @@ class PagedPrefillView:
         """Store the chunk's entries [B, T, width] at positions past .. past + T - 1 (one scatter, int64 rows)."""
         B, T, W = entry.shape
         bs = self.data.shape[1]
-        pos = torch.arange(self.past, self.past + T, device=self.data.device)
-        rows = self.block_table[:, pos // bs].long() * bs + pos % bs                             # [B, T]
+        pos = torch.arange(self.past, self.past + T, device=self.data.device).expand(B, T)
+        rows = pool_rows(self.block_table, pos, bs)                                               # [B, T]
         self.data.view(-1, W).index_copy_(0, rows.reshape(-1), entry.reshape(B * T, W).to(self.data.dtype))
 
     def read(self, start: int, end: int) -> torch.Tensor:

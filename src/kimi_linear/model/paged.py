@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kimi_linear.layers import PagedLatentView, PooledKDAState, SparseMoE
+from kimi_linear.layers import PagedLatentView, PooledKDAState, SparseMoE, pool_rows
 
 if TYPE_CHECKING:
     from .modeling import KimiLinearForCausalLM
@@ -103,7 +103,7 @@ def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Ten
     if pools.latents:
         table = pools.block_table.index_select(0, slots)                                # [b, max_blocks]
         bs = pools.block_size
-        dst = table.gather(1, (lens // bs)[:, None])[:, 0].long() * bs + lens % bs      # [b] flat write index
+        dst = pool_rows(table, lens[:, None], bs)[:, 0]                                # [b] flat write index
         seq_lens = (lens + 1).to(torch.int32)
     for layer in m.layers:
         if layer.is_kda:
