@@ -170,11 +170,12 @@ def test_default_num_splits_static_heuristic():
 
     # one 1M-token row (65536 blocks of 16), 32 heads in 2 head blocks: every one of 132 SMs gets programs
     ns = default_num_splits(1, 32, 65536, 16, 132)
-    assert 2 * ns >= 132 and (1 << 20) // ns >= 256
+    assert 2 * ns >= 132 and (1 << 20) // ns >= 64
     # 128 / 256 rows at 4k: no splitting (256+ programs already)
     assert default_num_splits(128, 32, 256, 16, 132) == 1 and default_num_splits(256, 32, 256, 16, 132) == 1
-    # short tables are not cut below 256 keys a split; the count never depends on anything but these shapes
-    assert default_num_splits(1, 32, 16, 16, 132) == 1 and default_num_splits(1, 32, 64, 16, 132) == 4
+    # short tables are not cut below 64 keys a split; the count never depends on anything but these shapes
+    assert default_num_splits(1, 32, 4, 16, 132) == 1 and default_num_splits(1, 32, 64, 16, 132) == 16
+    assert default_num_splits(1, 32, 256, 16, 132) == 64
     assert default_num_splits(32, 32, 256, 16, 132) == 4
     # a long table is cut into pieces of at most 8k keys (one long row among short ones) while the launch stays
     # under 16 programs per SM: a large batch fills the card anyway, and its partials grow with the splits

@@ -41,7 +41,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # slower (1 row x 32k in 128 splits of 256 keys: 0.078 vs 0.046 ms), so they serve splits of >= LONG_SPLIT_KEYS.
 LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
 LAUNCH_LONG = (32, 64, 8, 2)                        # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys
-LONG_SPLIT_KEYS = 1024
+LONG_SPLIT_KEYS = 512   # 1 row x 128k in 132 splits of ~1k keys: 0.099 ms with these tiles, 0.114 with LAUNCH's
 LONG_PER_SM = 1         # one [32, 64] program per SM fills it (128 rows x 4k: 1 split, no merge pass; 2 were slower)
 MERGE_BV = 128          # channels per merge program
 MERGE_BS = 16           # splits merged per step of the merge loop
@@ -54,7 +54,7 @@ MERGE_BS = 16           # splits merged per step of the merge loop
 # of a 1M-token table cut into 128 splits would take 2 GB and a merge pass over them every step).
 PROGRAMS_PER_SM = 2
 LONG_ROW_PROGRAMS_PER_SM = 16
-MIN_SPLIT_KEYS = 256
+MIN_SPLIT_KEYS = 64     # a split walks its keys one dependent tile load after another: few rows want short ones
 MAX_SPLIT_KEYS = 8192
 MAX_SPLITS = 512
 
