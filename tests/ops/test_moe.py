@@ -202,6 +202,22 @@ def test_shared_experts(N, E, k, S, mode, dtype):
                    fused_moe(x.double(), w13.double(), w2.double(), tw0, ids, num_shared=S)) < BARS[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_folded_into_combine(dtype):
+    """``residual`` is added to the float32 sum before the one rounding: the PyTorch path equals the routed sum
+    plus the residual (float64 loop), the Triton kernels equal that within the dtype's bar, also for a residual
+    whose rows are strided (a view into a wider tensor)."""
+    x, w13, w2, tw, ids = make(7, 5, 2, 32, 24, dtype, "random", seed=21)
+    wide = torch.randn(7, 48, generator=torch.Generator().manual_seed(22)).to(dtype)
+    residual = wide[:, 8:40]                                              # [7, 32], row stride 48
+    want = naive_moe(x, w13, w2, tw, ids) + residual.double()
+    assert rel_err(fused_moe(x.double(), w13.double(), w2.double(), tw, ids, residual=residual.double()),
+                   want) < 1e-12
+    assert rel_err(triton_moe(x, w13, w2, tw, ids, residual=residual), want) < BARS[dtype]
+    with pytest.raises(ValueError, match="residual must be"):
+        fused_moe(x, w13, w2, tw, ids, residual=residual[:, :16])
+
+
 def test_sigmoid_topk_triton_matches_torch():
     """The router's Triton kernel against the PyTorch path: same experts in the same order, weights to float32
     rounding; with and without renormalisation, k = 1 and k = E, E not a power of two, a strong bias."""

@@ -16,6 +16,17 @@ from .norm import GatedRMSNorm
 from .packing import PackedLinears
 
 
+def stacked_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a, b [B, T, n] -> [2, B*T, n]: a strided view when b's columns follow a's in the rows of one row-major
+    tensor (adjacent pieces of a packed projection), else a stacked copy."""
+    B, T, n = a.shape
+    adjacent = (a.stride() == b.stride() and a.stride(-1) == 1 and a.stride(0) == T * a.stride(1)
+                and b.data_ptr() == a.data_ptr() + n * a.element_size() and b.shape == a.shape)
+    if adjacent:
+        return a.as_strided((2, B * T, n), (n, a.stride(1), 1))
+    return torch.stack([a.reshape(B * T, n), b.reshape(B * T, n)])
+
+
 @dataclass
 class KDAState:
     """Decoding state of one KDA layer for a batch; its size does not depend on the context length.
@@ -116,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(head_dim, eps=eps)
         self.o_proj = Linear(width, hidden_size, bias=False)
         self._pack: PackedLinears | None = None
-        self._conv_cache: tuple | None = None
+        self._derived_cache: dict[str, tuple] = {}
 
     def pack(self) -> None:
         """Pack the six projections that read x (q, k, v, f_a, g_a or g_proj, b) into one matrix; see
@@ -163,28 +174,48 @@ class KimiDeltaAttention(nn.Module):
             state.conv = window
         return y
 
-    def forget_gate(self, f_a: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The raw per-channel gate ``f_b(f_a(x))`` [B, T, H, d] and the operator options that turn it into
-        ``-exp(A_log) * softplus(g + dt_bias)`` inside the kernel (or, with ``gate_lower_bound``,
-        ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``)."""
-        B, T, _ = f_a.shape
-        g_raw = self.f_b_proj(f_a).view(B, T, self.num_heads, self.head_dim)
+    def gate_options(self) -> dict:
+        """The operator options that turn the raw gate ``f_b(f_a(x))`` into ``-exp(A_log) * softplus(g +
+        dt_bias)`` inside the kernel (or, with ``gate_lower_bound``, ``lower_bound * sigmoid(exp(A_log) * (g +
+        dt_bias))``)."""
         args = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
         if self.gate_lower_bound is not None:
             args["lower_bound"] = self.gate_lower_bound
-        return g_raw, args
+        return args
+
+    def low_rank_gates(self, f_a: torch.Tensor, g_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw forget gate ``f_b(f_a)`` and the output gate (``g_b(g_a)``, or ``g_a`` itself with the
+        full-rank gate), each [B, T, H, d].
+
+        Without autograd the two up-projections run as one batched product over the stacked ``[f_b^T, g_b^T]``
+        (a decode step pays per kernel, and each is a ~1 MB GEMV); ``f_a`` and ``g_a`` are adjacent columns of
+        the packed projection, so their [2, B*T, d] view is read in place."""
+        B, T, _ = f_a.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        pair = (self.f_b_proj.weight, None if self.full_rank_gate else self.g_b_proj.weight)
+        if self.full_rank_gate or (torch.is_grad_enabled() and any(w.requires_grad for w in pair)):
+            g_raw = self.f_b_proj(f_a)
+            return g_raw.view(shape), (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(shape)
+        w = self._derived("gates", pair, f_a.dtype, lambda ws: torch.stack([v.t() for v in ws]))   # [2, d, H*d]
+        out = torch.bmm(stacked_rows(f_a, g_a), w)                                                  # [2, B*T, H*d]
+        return out[0].view(shape), out[1].view(shape)
+
+    def _derived(self, name: str, ws: tuple, dtype: torch.dtype, build) -> torch.Tensor:
+        """``build(ws)`` in ``dtype``, cached between calls and rebuilt whenever a weight changes (storage or
+        in-place version): decoding pays per op. Under autograd it is always rebuilt."""
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return build(ws).to(dtype)
+        key = (dtype, *((w.data_ptr(), w._version) for w in ws))
+        hit = self._derived_cache.get(name)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = self._derived_cache[name] = (key, build(ws).to(dtype).contiguous())
+        return hit[1]
 
     def _conv_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """q|k|v conv taps as one [W, 3*H*d] tensor. Cached between calls (it is rebuilt whenever a conv weight
-        changes: storage or in-place version), because decoding pays per op; under autograd it is always rebuilt."""
+        """q|k|v conv taps as one [W, 3*H*d] tensor (cached, :meth:`_derived`)."""
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        key = (dtype, *((w.data_ptr(), w._version) for w in ws))
-        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
-            return torch.cat(ws, 0)[:, 0].t().to(dtype)
-        if self._conv_cache is None or self._conv_cache[0] != key:
-            with torch.no_grad():
-                self._conv_cache = (key, torch.cat(ws, 0)[:, 0].t().to(dtype).contiguous())
-        return self._conv_cache[1]
+        return self._derived("conv", ws, dtype, lambda ws: torch.cat(ws, 0)[:, 0].t())
 
     def forward(
         self,
@@ -221,7 +252,7 @@ class KimiDeltaAttention(nn.Module):
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
         q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
-        g, gate_args = self.forget_gate(f_a)
+        g, gate = self.low_rank_gates(f_a, g_a)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         if context_parallel is not None:
             kda = context_parallel.chunk_kda            # chunk_kda's contract; the state comes from rank - 1
@@ -245,13 +276,12 @@ class KimiDeltaAttention(nn.Module):
             **memory,
             use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
-            **gate_args,
+            **self.gate_options(),
             cu_seqlens=cu_seqlens,
         )
         if isinstance(state, KDAState):
             state.recurrent = final
         elif isinstance(state, VarlenKDAState):
             state.rec_pool.index_copy_(0, state.index, final)
-        gate = (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(B, T, H, d)
         o = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.o_proj(o)

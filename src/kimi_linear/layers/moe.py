@@ -156,8 +156,9 @@ class SparseMoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., D] -> [..., D]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., D] -> [..., D]; plus ``residual`` (x's shape) when given: the decoder layer's residual add,
+        which the fused op folds into its combine when nothing comes after the experts (one kernel less a layer)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
@@ -166,7 +167,12 @@ class SparseMoE(nn.Module):
         shared_done = False
         if fused is not None:
             w13, w2, shared_done = fused
-            out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), **self._activation())
+            last = self.latent_size is None and (shared_done or self.shared_experts is None)
+            folded = residual.reshape(flat.shape) if last and residual is not None else None
+            out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), residual=folded,
+                            **self._activation())
+            if folded is not None:
+                return out.view(shape)
         elif self.static_dispatch:
             out = self._dense(z, weights, idx)
         elif flat.shape[0] == 1:
@@ -180,7 +186,8 @@ class SparseMoE(nn.Module):
             out = self.routed_expert_up_proj(out)
         if self.shared_experts is not None and not shared_done:
             out = out + self.shared_experts(flat)
-        return out.view(shape)
+        out = out.view(shape)
+        return out if residual is None else residual + out
 
     def _one_token(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Decode: z [1, W] through its k experts, no sort / bincount machinery (pure overhead at this size).

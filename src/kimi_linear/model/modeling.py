@@ -120,8 +120,9 @@ class KimiLinearDecoderLayer(nn.Module):
         h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
         # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
         normed, x = self.post_attention_layernorm(h, residual=x)
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return x + ffn(normed)
+        if self.is_moe:
+            return self.block_sparse_moe(normed, residual=x)       # the fused MoE adds x in its combine
+        return x + self.mlp(normed)
 
     def _attn(
         self, h: torch.Tensor, cache: KDAState | LatentCache | None, padding_mask: torch.Tensor | None,

@@ -85,7 +85,8 @@ def glu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-                    situ_linear_beta: float = 25.0, num_shared: int = 0) -> torch.Tensor:
+                    situ_linear_beta: float = 25.0, num_shared: int = 0,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fused_moe` in PyTorch: the (token, expert) pairs sorted by expert, then per expert with tokens its
     two matmuls in x's dtype (the layers' arithmetic); the weighted outputs are summed in float32 (float64 for
     float64 inputs), the shared experts' after the routed ones. Reads the per-expert counts on the host."""
@@ -110,13 +111,18 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     for e in range(E, E + num_shared):
         gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
         out += F.linear(glu_torch(gate, up, activation, situ_beta, situ_linear_beta), w2[e]).to(acc)
+    if residual is not None:
+        out += residual.to(acc)
     return out.to(x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-              situ_linear_beta: float = 25.0, num_shared: int = 0) -> torch.Tensor:
-    """The routed experts' weighted sum (module docstring). Inference only (no autograd).
+              situ_linear_beta: float = 25.0, num_shared: int = 0,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum (module docstring), plus ``residual`` [N, W] when given (added to the
+    float32 sum before the one rounding to x's dtype: a decoder layer's residual add, without its own kernel).
+    Inference only (no autograd).
 
     x: [N, W]; w13: [E + S, 2I, W], rows 0..I-1 the gate projection w1, rows I..2I-1 the up projection w3; w2:
     [E + S, W, I] (all one dtype: float32, bfloat16, float16, or float64 on the PyTorch path); the last
@@ -127,11 +133,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     projection, as in the layers. Returns [N, W] in x's dtype.
     """
     check_fused_moe_inputs(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared)
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"fused_moe: residual must be x's shape {tuple(x.shape)}, dtype and device, got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
     fast = triton_op("fused_moe", x) if x.dtype != torch.float64 else None
     if fast is None:
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta,
-                               num_shared)
-    return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared=num_shared)
+                               num_shared, residual)
+    return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared=num_shared,
+                residual=residual)
 
 
 def fused_moe_available(x: torch.Tensor) -> bool:

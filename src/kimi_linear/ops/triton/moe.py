@@ -228,17 +228,17 @@ def moe_down_kernel(
 
 @triton.jit
 def moe_combine_kernel(
-    y, ids,                  # [N * K, W] float32, [N * k] routed expert ids
+    y, ids, residual,        # [N * K, W] float32, [N * k] routed expert ids, [N, W] (row stride s_rn) if RESIDUAL
     out,                     # out: [N, W] in x's dtype
-    W, E,
-    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr,
+    W, E, s_rn,
+    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
-    """``out[n] = sum_j y[n K + j]`` over j in order (shared experts last); a routed pair whose id is outside
-    [0, E) (never computed) adds 0."""
+    """``out[n] = residual[n] + sum_j y[n K + j]`` over j in order (shared experts last), float32 until the one
+    rounding; a routed pair whose id is outside [0, E) (never computed) adds 0."""
     i_t, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
     m_w = o_w < W
-    b_o = tl.zeros([BW], dtype=tl.float32)
+    b_o = tl.zeros([BW], dtype=tl.float32)                                                          # [BW]
     for j in tl.static_range(K_ALL):
         if j < K_TOP:
             b_e = tl.load(ids + i_t * K_TOP + j + o_w * 0)              # [BW] the pair's id, broadcast
@@ -246,12 +246,15 @@ def moe_combine_kernel(
         else:
             m_j = o_w >= 0
         b_o += tl.load(y + (i_t * K_ALL + j) * W + o_w, mask=m_w & m_j, other=0.0)
+    if RESIDUAL:
+        b_o += tl.load(residual + i_t * s_rn + o_w, mask=m_w, other=0.0).to(tl.float32)
     tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-              situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0) -> torch.Tensor:
+              situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``fused_moe``: same contract as :func:`kimi_linear.ops.fused_moe` (arguments checked there). No host
     synchronisation; every allocation and grid depends on (N, k, E, S) and the weight shapes only. ``launch``
     overrides :func:`moe_launch` (benchmarks)."""
@@ -290,7 +293,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     BW = min(1024, triton.next_power_of_2(W))
-    moe_combine_kernel[(N, triton.cdiv(W, BW))](y, ids, out, W, E, K_TOP=k, K_ALL=K, BW=BW, num_warps=4)
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    moe_combine_kernel[(N, triton.cdiv(W, BW))](
+        y, ids, out if residual is None else residual, out, W, E, 0 if residual is None else residual.stride(0),
+        K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4,
+    )
     return out
 
 
