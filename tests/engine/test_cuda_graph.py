@@ -5,6 +5,7 @@ and its padding rows cannot change real state. (Capturing a graph needs a GPU: `
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
 from kimi_linear.layers import SparseMoE
 from kimi_linear.layers.activation import SiTUGLU, silu_glu
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
-from kimi_linear.model.paged import batch_buckets
+from kimi_linear.model.paged import batch_buckets, greedy_ids
 
 from .test_engine import EOS, run_all
 
@@ -143,7 +144,7 @@ def test_padding_rows_cannot_touch_real_state(model):
     assert engine.blocks.num_used() < engine.blocks.num_blocks and len(engine.blocks.free_cached) > 0
     before = [t.clone() for t in pool_tensors(engine)]
 
-    logits = engine.runner.decode(seqs)
+    logits, _ = engine.runner.decode(seqs)
     assert logits.shape == (3, model.config.vocab_size) and logits.isfinite().all()
     logits = logits.clone()
     after = [t.clone() for t in pool_tensors(engine)]
@@ -167,7 +168,7 @@ def test_padding_rows_cannot_touch_real_state(model):
         t.copy_(b)
     for t in engine.slots.conv + engine.slots.rec + engine.blocks.data:
         t[-1] = float("nan")                                                # the scratch row of each pool
-    logits_nan = engine.runner.decode(seqs)
+    logits_nan, _ = engine.runner.decode(seqs)
     assert torch.equal(logits_nan, logits)
     for i, (a, t) in enumerate(zip(after, pool_tensors(engine))):
         assert torch.equal(a[:-1], t[:-1]) if i < n_slot + len(engine.blocks.data) else torch.equal(a, t), i
@@ -234,6 +235,12 @@ class _FakeGraph:
         self.replay_fn()
 
 
+def fake_replay(graphs, step, b: int) -> None:
+    """What a captured step's replay does: the step's logits and, in the graph too, its rows' greedy ids."""
+    step.logits.copy_(graphs.forward(step.inputs, b))
+    step.greedy.copy_(greedy_ids(step.logits))
+
+
 def test_capture_bookkeeping_with_a_fake_cuda_api(model, monkeypatch):
     """Not a CUDA graph (that needs a GPU: bench/engine_gpu.py captures real ones): the capture code path with the
     torch.cuda calls replaced, to check its bookkeeping on CPU. Capturing every bucket (whose warm-up really runs)
@@ -265,6 +272,6 @@ def test_capture_bookkeeping_with_a_fake_cuda_api(model, monkeypatch):
         assert torch.equal(b, a), i
     for b, step in graphs.buckets.items():
         assert step.logits is not None and step.logits.shape == (b, model.config.vocab_size)
-        step.graph.replay_fn = lambda s=step, b=b: s.logits.copy_(graphs.forward(s.inputs, b))
+        step.graph.replay_fn = partial(fake_replay, graphs, step, b)
     out, _ = run_with_logprobs(engine, reqs)
     assert out == ref_out and engine.counters["graph_decode_forwards"] > 0

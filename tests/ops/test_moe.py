@@ -274,6 +274,36 @@ def test_sigmoid_topk_dispatch_and_errors(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_triton(dtype, monkeypatch):
+    """Router logits from a 16-bit or float32 x and float32 W: the Triton kernel against float64 (float32
+    rounding of a 2304-term sum), every row the same bits alone as inside a batch (routing must not depend on the
+    batch), D not a multiple of the kernel's step, E not a multiple of its expert block; the public op sends up
+    to ROUTER_TRITON_MAX_TOKENS rows there, more rows and autograd to PyTorch, and names bad shapes."""
+    import kimi_linear.ops.moe as moe_op
+    from kimi_linear.ops import router_logits
+    from kimi_linear.ops.triton.moe import router_logits as tri
+
+    gen = torch.Generator().manual_seed(5)
+    for N, E, D in [(1, 32, 2304), (13, 7, 300)]:
+        x = torch.randn(N, D, generator=gen).to(dtype)
+        w = torch.randn(E, D, generator=gen) / D**0.5
+        got = tri(x, w)
+        want = x.double() @ w.double().t()
+        assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-5
+        assert all(torch.equal(tri(x[n : n + 1], w)[0], got[n]) for n in range(N))
+    calls = []
+    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: (lambda *a: calls.append(1) or tri(*a))
+                        if name == "router_logits" else None)
+    w = torch.randn(8, 64, generator=gen)
+    router_logits(torch.randn(moe_op.ROUTER_TRITON_MAX_TOKENS, 64).to(dtype), w)
+    router_logits(torch.randn(moe_op.ROUTER_TRITON_MAX_TOKENS + 1, 64).to(dtype), w)
+    router_logits(torch.randn(2, 64).to(dtype), w.requires_grad_())
+    assert calls == [1]
+    with pytest.raises(ValueError, match="router_logits"):
+        router_logits(torch.randn(2, 63), w)
+
+
 def _args(**bad):
     x, w13, w2, tw, ids = make(3, 4, 2, 8, 6)
     args = dict(x=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ids)

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from kimi_linear.model.paged import greedy_ids
+
 from .cache_manager import CacheManager
 from .config import EngineConfig
 from .model_runner import ModelRunner, PromptScores
@@ -276,7 +278,7 @@ class LLMEngine:
         (there rows are sampled one by one, which checks them)."""
         if logits.device.type == "cpu":
             return [None] * logits.shape[0]
-        return torch.where(logits.isnan().any(-1), -1, logits.argmax(-1)).tolist()
+        return greedy_ids(logits).tolist()
 
     # ---------------------------------------------------------------------------------------------------- step
     def step(self) -> None:
@@ -303,10 +305,10 @@ class LLMEngine:
         length."""
         if plan.decode:
             self._counters["decode_forwards"] += 1
-            logits = self.runner.decode(plan.decode)
+            logits, in_graph = self.runner.decode(plan.decode)
             self._advance(plan.decode, 1)
-            # On a GPU, one read-back for every greedy row instead of one per row.
-            greedy = self._greedy_readback(logits)
+            # On a GPU, one read-back for every greedy row instead of one per row (computed inside the graph).
+            greedy = in_graph.tolist() if in_graph is not None else self._greedy_readback(logits)
             for r, s in enumerate(plan.decode):
                 self._after_forward_isolated(s, logits[r], greedy[r])
         if plan.prefill:

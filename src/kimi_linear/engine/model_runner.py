@@ -53,16 +53,17 @@ class ModelRunner:
             return 0
         return self.graphs.capture_all()
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token of every sequence -> logits [B, vocab] float32; caches updated (not ``num_computed``)."""
+    def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token of every sequence -> (logits [B, vocab] float32, their greedy ids [B] on the device when the
+        graph computed them, else None); caches updated (not ``num_computed``)."""
         if self.graphs is not None:
             self.cache.sync_tables(seqs)
             ids = [s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs]
             logits = self.graphs.run(ids, [s.slot for s in seqs], [s.num_computed for s in seqs])
             if logits is not None:
                 self.graph_forwards += 1
-                return logits
-        return self.forward(seqs, 1)
+                return logits, self.graphs.greedy
+        return self.forward(seqs, 1), None
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], T: int) -> torch.Tensor:

@@ -4,10 +4,9 @@ LatentMoE (docs/model.md §7): routed experts in a narrower latent space."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops.moe import fused_moe, fused_moe_available, sigmoid_topk
+from ..ops.moe import fused_moe, fused_moe_available, router_logits, sigmoid_topk
 from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
@@ -77,7 +76,7 @@ class SigmoidTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
-        logits = F.linear(upcast(x), upcast(self.weight))
+        logits = router_logits(x, self.weight)            # float32 (float64 for float64 inputs): x widened first
         if self.n_group == 1:       # one Triton kernel on a GPU when no gradient is needed (ops.sigmoid_topk)
             return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize,
                                 self.routed_scaling_factor)

@@ -125,14 +125,21 @@ def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Ten
             moe.static_dispatch = False
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Every row's argmax, -1 for a row with a NaN logit: logits [b, vocab] -> int64 [b]."""
+    return torch.where(logits.isnan().any(-1), -1, logits.argmax(-1))
+
+
 @dataclass
 class _Bucket:
-    """One padded batch size: its static input buffer ids | slots | lens (int64 [3b]), and on CUDA its graph and
-    output logits [b, vocab]."""
+    """One padded batch size: its static input buffer ids | slots | lens (int64 [3b]), and on CUDA its graph,
+    output logits [b, vocab] and their :func:`greedy_ids` [b] (in the graph: a greedy engine step then reads back
+    b integers and launches nothing else)."""
 
     inputs: torch.Tensor
     graph: Any = None
     logits: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
 
 
 @dataclass
@@ -149,6 +156,7 @@ class DecodeGraphs:
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     capture_seconds: float = 0.0
     broken: str | None = None
+    greedy: torch.Tensor | None = None      # after a graph replay: its rows' greedy_ids [n]; None after eager
 
     def __post_init__(self) -> None:
         self.sizes = batch_buckets(self.max_batch)
@@ -193,9 +201,11 @@ class DecodeGraphs:
             return None
         step.inputs.copy_(inputs, non_blocking=inputs.device.type == "cpu" and inputs.is_pinned())
         if step.graph is None:
+            self.greedy = None
             return self.forward(step.inputs, b)[:n]
         step.graph.replay()
-        assert step.logits is not None
+        assert step.logits is not None and step.greedy is not None
+        self.greedy = step.greedy[:n]
         return step.logits[:n]
 
     def forward(self, inputs: torch.Tensor, b: int) -> torch.Tensor:
@@ -246,6 +256,7 @@ class DecodeGraphs:
             # thread_local: the engine runs in its own thread; other threads' CUDA calls must not abort the capture.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 step.logits = self.forward(step.inputs, b)
+                step.greedy = greedy_ids(step.logits)
         finally:
             gc.enable()
         step.graph = graph

@@ -6,7 +6,7 @@ from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
 from .conv import short_conv
 from .gate import fused_kda_gate, l2norm
 from .mla_decode import paged_mla_decode
-from .moe import fused_moe, sigmoid_topk
+from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
@@ -25,5 +25,6 @@ __all__ = [
     "naive_recurrent_kda",
     "paged_mla_decode",
     "short_conv",
+    "router_logits",
     "sigmoid_topk",
 ]

@@ -151,6 +151,27 @@ def fused_moe_available(x: torch.Tensor) -> bool:
     return x.dtype != torch.float64 and triton_op("fused_moe", x) is not None
 
 
+ROUTER_TRITON_MAX_TOKENS = 16    # small decode batches; more rows take cuBLAS, which reads W once per tile
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits ``x @ weight^T`` in float32 (float64 if either is float64) with x widened first: x [N, D]
+    any float dtype, weight [E, D] float32 -> [N, E].
+
+    On CUDA, without autograd and for up to ROUTER_TRITON_MAX_TOKENS rows, one Triton kernel that widens x as it
+    reads it (instead of a cast kernel and cuBLAS's two-kernel float32 GEMV); each row's sums run in the same order
+    whatever N is, so a token's routing does not depend on its batch. Else PyTorch."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: x must be [N, D] and weight [E, D], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.shape[0] <= ROUTER_TRITON_MAX_TOKENS and weight.dtype == torch.float32:
+        fast = for_inference(triton_op("router_logits", x), x, weight)
+        if fast is not None:
+            return fast(x, weight)
+    acc = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    return F.linear(x.to(acc), weight.to(acc))
+
+
 def sigmoid_topk_torch(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sigmoid_topk` in PyTorch (differentiable in ``logits``)."""

@@ -347,3 +347,49 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: 
                                   BK=triton.next_power_of_2(k), BE=triton.next_power_of_2(E), RENORM=renormalize,
                                   num_warps=1 if E <= 256 else 4)
     return weights, ids
+
+
+@triton.jit
+def router_logits_kernel(
+    x, w,                    # [N, D] (row stride s_xn) any float dtype, [E, D] float32 (row stride s_we)
+    logits,                  # out: [N, E] float32
+    N, E, D, s_xn, s_we,
+    BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+):
+    """BN rows x BE experts per program: float32 products summed over D in steps of BK (exact float32 FMA
+    arithmetic, no tensor cores: the router's top-k is sensitive to the last bits). BN is fixed by the wrapper,
+    never by N, so a row's sums do not depend on the rows beside it."""
+    i_n, i_e = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_e = i_e * BE + tl.arange(0, BE)
+    o_k = tl.arange(0, BK)
+    m_n, m_e = o_n < N, o_e < E
+    p_x = x + o_n[:, None].to(tl.int64) * s_xn + o_k[None, :]                                    # [BN, BK]
+    p_w = w + o_e[:, None].to(tl.int64) * s_we + o_k[None, :]                                    # [BE, BK]
+    b_acc = tl.zeros([BN, BE], dtype=tl.float32)                                                  # [BN, BE]
+    for k0 in range(0, D, BK):
+        m_k = o_k < D - k0
+        b_x = tl.load(p_x, mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)          # [BN, BK]
+        b_w = tl.load(p_w, mask=m_e[:, None] & m_k[None, :], other=0.0)                          # [BE, BK]
+        b_acc += tl.sum(b_x[:, None, :] * b_w[None, :, :], 2)
+        p_x += BK
+        p_w += BK
+    tl.store(logits + o_n[:, None].to(tl.int64) * E + o_e[None, :], b_acc, mask=m_n[:, None] & m_e[None, :])
+
+
+# Fixed for every N (a row's sums must not depend on its batch). Decode batches read W [E, D] (295 KB for 32
+# experts x 2304) in E / 2 programs of 3 steps: few dependent loads each, which is what a GEMV this small waits on.
+ROUTER_BN, ROUTER_BE, ROUTER_BK = 4, 2, 1024
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`kimi_linear.ops.moe.router_logits` (shapes checked there): [N, E] float32."""
+    N, D = x.shape
+    E = weight.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, ROUTER_BN), triton.cdiv(E, ROUTER_BE))
+    router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), BN=ROUTER_BN,
+                               BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4)
+    return logits
