@@ -38,6 +38,8 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
+from itertools import product  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -337,29 +339,31 @@ def run_timings(peak: float) -> None:
 
 
 def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
-    configs = [(16, 32, 4, 2), (16, 16, 4, 3), (16, 32, 4, 3), (16, 32, 4, 4), (16, 64, 4, 3), (16, 64, 8, 2),
-               (32, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3)]
+    # (BH, BN, warps, stages, transposed): transposed = keys as the products' rows (Hopper's wgmma, offline sm_90
+    # build: [32, 64] at 8 warps 244 registers, no spills, 188 KB of shared memory)
+    configs = [(16, 32, 4, 2, False), (16, 16, 4, 3, False), (16, 32, 4, 3, False), (16, 64, 4, 3, False),
+               (32, 64, 8, 2, False), (32, 64, 8, 3, False), (16, 64, 4, 2, True), (32, 64, 8, 2, True),
+               (32, 64, 8, 3, True)]
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
         chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
         base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0],
                                       tri.LONG_PER_SM if chosen == tri.LAUNCH_LONG else tri.PROGRAMS_PER_SM)
-        for BH, BN, nw, ns in configs:
+        for BH, BN, nw, ns, tr in configs:
             base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH,
                                              tri.LONG_PER_SM if BH == 32 else tri.PROGRAMS_PER_SM)
             most = max(1, L // 16)
             for splits in sorted({min(most, max(1, s)) for s in (base_bh // 2, base_bh, 2 * base_bh, 4 * base_bh)}):
+                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, transposed=tr, splits=splits)
                 try:
-                    fn = lambda: tri.paged_mla_decode(*c.args(), num_splits=splits, block_h=BH, block_n=BN,
-                                                      num_warps=nw, num_stages=ns)
+                    fn = partial(tri.paged_mla_decode, *c.args(), num_splits=splits, block_h=BH, block_n=BN,
+                                 num_warps=nw, num_stages=ns, transposed=tr)
                     ms = bench_ms(graph_of(fn) if S.dev.type == "cuda" else fn)   # no host time in short cases
-                    rows.append(dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, splits=splits,
-                                     default=(BH, BN, nw, ns) == chosen and splits == base, ms=ms,
+                    rows.append(dict(row, default=(BH, BN, nw, ns, tr) == chosen and splits == base, ms=ms,
                                      GB_s=c.nbytes() / (ms * 1e-3) / 1e9))
                 except Exception as e:  # noqa: BLE001
-                    rows.append(dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, splits=splits,
-                                     default=False, ms=f"**{type(e).__name__}**", GB_s=""))
+                    rows.append(dict(row, default=False, ms=f"**{type(e).__name__}**", GB_s=""))
         c = None
         empty_cache()
     table("(c) sweep: tiles (BH heads x BN keys), warps, stages, splits", rows)
@@ -395,20 +399,22 @@ def offline_sm90() -> int:
         return f"{m.group(1)} regs, {m.group(2)} B stack, {ck.metadata.shared} B smem" if m else "?"
 
     for dt in (torch.bfloat16, torch.float16, torch.float32):
-        BH, BN, nw, ns = tri.LAUNCH[torch.empty(0, dtype=dt).element_size()]
-        for bs in (16, 64, 256):
-            for single in (True, False):
-                d = "*" + name[dt]
-                sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",
-                           o=d, lse="*fp32", qk_scale="fp32", stride_t="i32", H="i32", NS="i32", MB="i32")
-                const = dict(C=512, R=64, BS=bs, BH=BH, BN=BN, BC=512, BR=64,
-                             PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single)
-                try:
-                    res = build(tri.mla_decode_split_kernel, sig, const, nw, ns)
-                except Exception as e:  # noqa: BLE001
-                    res = f"**{type(e).__name__}**: {str(e)[-300:]}"
-                rows.append(dict(kernel="split" + (" (one split)" if single else ""), dtype=name[dt], block=bs,
-                                 tiles=f"{BH}x{BN}", warps=nw, stages=ns, build=res))
+        launches = [tri.LAUNCH[torch.empty(0, dtype=dt).element_size()]]
+        if dt != torch.float32:
+            launches += [tri.LAUNCH_LONG, (*tri.LAUNCH_LONG[:4], not tri.LAUNCH_LONG[4])]
+        for (BH, BN, nw, ns, tr), bs, single in product(launches, (16, 64, 256), (True, False)):
+            d = "*" + name[dt]
+            sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",
+                       o=d, lse="*fp32", qk_scale="fp32", stride_t="i32", H="i32", NS="i32", MB="i32")
+            const = dict(C=512, R=64, BS=bs, BH=BH, BN=BN, BC=512, BR=64,
+                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, TRANS=tr)
+            try:
+                res = build(tri.mla_decode_split_kernel, sig, const, nw, ns)
+            except Exception as e:  # noqa: BLE001
+                res = f"**{type(e).__name__}**: {str(e)[-300:]}"
+            rows.append(dict(kernel="split" + (" (one split)" if single else ""), dtype=name[dt], block=bs,
+                             tiles=f"{BH}x{BN}" + (" transposed" if tr else ""), warps=nw, stages=ns,
+                             build=res))
         sig = dict(o_part="*fp32", lse_part="*fp32", seq_lens="*i32", o="*" + name[dt], lse="*fp32", H="i32",
                    NS="i32", MB="i32")
         const = dict(C=512, BS=16, BN=BN, BV=tri.MERGE_BV, BSP=tri.MERGE_BS)

@@ -109,11 +109,13 @@ CASES = [  # (lens, block size, splits, heads)
 ]
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens, bs, splits, H", CASES)
-def test_triton_matches_reference(lens, bs, splits, H, dtype):
+def test_triton_matches_reference(lens, bs, splits, H, dtype, transposed):
+    """Both forms of the split kernel's products (heads or keys as the rows)."""
     q, cache, table, seq = make_case(lens, bs=bs, H=H, dtype=dtype, seed=len(lens) + bs + splits)
-    ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, num_splits=splits)
+    ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, num_splits=splits, transposed=transposed)
     ctx_ref, lse_ref = reference(q, cache, table, seq, 0.25, 32)
     bar, lse_bar = bars(dtype)
     assert ctx.dtype == dtype and ctx.shape == (len(lens), H, 32) and lse.dtype == torch.float32
@@ -124,11 +126,13 @@ def test_triton_matches_reference(lens, bs, splits, H, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_kimi_width(dtype):
-    """The Kimi-Linear-48B entry (C = 512, R = 64) with 32 heads (two head blocks), default split count."""
+    """The Kimi-Linear-48B entry (C = 512, R = 64) with 32 heads (two head blocks), default split count; and the
+    transposed products with the [32 heads x 64 keys] tiles of long splits."""
     q, cache, table, seq = make_case([40, 3], bs=16, C=512, R=64, H=32, dtype=dtype, seed=5)
-    ctx, lse = triton_decode(q, cache, table, seq, 192 ** -0.5, 512)
     ctx_ref, lse_ref = reference(q, cache, table, seq, 192 ** -0.5, 512)
-    assert rel_err(ctx, ctx_ref) < 5e-3 and (lse.double() - lse_ref).abs().max() < 1e-4
+    for kw in ({}, dict(block_h=32, block_n=64, num_warps=8, transposed=True)):
+        ctx, lse = triton_decode(q, cache, table, seq, 192 ** -0.5, 512, **kw)
+        assert rel_err(ctx, ctx_ref) < 5e-3 and (lse.double() - lse_ref).abs().max() < 1e-4
 
 
 def test_triton_empty_row_wide_int64_table_and_mixed_dtypes():
