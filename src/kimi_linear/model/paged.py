@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kimi_linear.layers import PagedLatentView, PooledKDAState, SparseMoE, pool_rows
+from kimi_linear.layers import PagedLatentView, PooledKDAState, SparseMoE
+from kimi_linear.ops.paged import paged_decode_rows
 
 if TYPE_CHECKING:
     from .modeling import KimiLinearForCausalLM
@@ -101,10 +102,8 @@ def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Ten
     caches: list[Any] = []
     kda_j = mla_j = 0
     if pools.latents:
-        table = pools.block_table.index_select(0, slots)                                # [b, max_blocks]
-        bs = pools.block_size
-        dst = pool_rows(table, lens[:, None], bs)[:, 0]                                # [b] flat write index
-        seq_lens = (lens + 1).to(torch.int32)
+        # each row's table [b, max_blocks], flat write row [b] and key count [b] (one kernel on CUDA)
+        table, dst, seq_lens = paged_decode_rows(pools.block_table, slots, lens, pools.block_size)
     for layer in m.layers:
         if layer.is_kda:
             caches.append(PooledKDAState(pools.conv[kda_j], pools.rec[kda_j], slots))
