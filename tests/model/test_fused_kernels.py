@@ -1,7 +1,8 @@
 """The whole model with the small fused kernels a GPU runs (RMSNorm, residual add + RMSNorm, the in-place decode
 short conv, the decode step's paged-pool rows, the MoE router's logits; Triton's interpreter here) gives the PyTorch
 path's tokens and logits through ``generate``'s fixed-shape decode path: every RMSNorm user (decoder layers, final
-norm, MLA's q / kv norms, K3's latent MoE norm and depth mixes), and training keeps the PyTorch path (gradients unchanged, no kernel call)."""
+norm, MLA's q / kv norms, K3's latent MoE norm and depth mixes), and training keeps the PyTorch path (gradients
+unchanged, no kernel call)."""
 
 from __future__ import annotations
 
