@@ -181,17 +181,22 @@ def run_checks() -> None:
             ctx, lse = paged_mla_decode(*c.args(), return_lse=True)
             sync()
             err, lerr = compare(c, ctx, lse)
-            ok = err < CTX_BAR and lerr < LSE_BAR
+            # the transposed products of the long-split tiles too (launch override), on the same case
+            ctx_t, lse_t = tri.paged_mla_decode(*c.args(), block_h=32, block_n=64, num_warps=8, transposed=True)
+            sync()
+            err_t, lerr_t = compare(c, ctx_t, lse_t)
+            ok = max(err, err_t) < CTX_BAR and max(lerr, lerr_t) < LSE_BAR
             ns = tri.default_num_splits(B, S.H, c.max_blocks, bs, tri.num_sms(S.dev))
             rows.append(dict(case=name, splits=ns, pool_elements=c.cache.numel(), ctx_err=err, lse_err=lerr,
-                             ok="yes" if ok else "**NO**"))
+                             transposed_ctx_err=err_t, transposed_lse_err=lerr_t, ok="yes" if ok else "**NO**"))
             if not ok:
-                FAILED.append(f"check {name}: ctx {err:.3g} lse {lerr:.3g}")
+                FAILED.append(f"check {name}: ctx {err:.3g} lse {lerr:.3g}, transposed {err_t:.3g} {lerr_t:.3g}")
+            ctx_t = lse_t = None
             c = ctx = lse = None
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            rows.append(dict(case=name, splits="", pool_elements="", ctx_err="", lse_err="",
-                             ok=f"**{type(e).__name__}**"))
+            rows.append(dict(case=name, splits="", pool_elements="", ctx_err="", lse_err="", transposed_ctx_err="",
+                             transposed_lse_err="", ok=f"**{type(e).__name__}**"))
             FAILED.append(f"check {name}: {type(e).__name__}: {e}")
         empty_cache()
     table("(a) paged_mla_decode vs dense float32 attention (bf16 pool, shuffled blocks, NaN elsewhere)", rows)

@@ -139,3 +139,33 @@ def test_bad_inputs(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         add_rms_norm(**args)
+
+
+@pytest.mark.parametrize("dtype, wdtype", [(torch.float32, None), (torch.bfloat16, None),
+                                          (torch.bfloat16, torch.float32)])
+def test_rms_norm_write_scatters_entries(dtype, wdtype, monkeypatch):
+    """An MLA decode step's entries ``[norm(latent) | rope]`` written at pool rows: the PyTorch path equals the
+    norm, concatenation and index copy it replaces; the kernel (interpreter) equals the PyTorch path to the norm's
+    bars, the rope columns copied bit for bit, and rows not named stay untouched (NaN-poisoned pool)."""
+    from kimi_linear.ops.rms_norm import rms_norm_write
+    from kimi_linear.ops.triton.rms_norm import rms_norm_write as tri
+
+    packed, w = make((4, 60), dtype, wdtype, seed=9)
+    w = w[:40].clone()
+    x = packed[:, 2:58]                                             # [4, 56]: a strided view, 40 normed + 16 rope
+    rows = torch.tensor([6, 0, 3, 9])
+    want = torch.full((11, 56), float("nan"), dtype=dtype)
+    want[rows] = torch.cat([rms_norm_torch(x[:, :40], w, EPS), x[:, 40:]], -1).to(dtype)
+    ref = torch.full((11, 56), float("nan"), dtype=dtype)
+    rms_norm_write(x, w, EPS, ref, rows)
+    assert torch.equal(ref.isnan(), want.isnan()) and torch.equal(ref[rows], want[rows])
+    got = torch.full((11, 56), float("nan"), dtype=dtype)
+    tri(x, w, EPS, got, rows)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[rows, 40:], want[rows, 40:])
+    assert_close_to_torch(got[rows, :40], want[rows, :40], dtype)
+    calls = []
+    monkeypatch.setattr(rms_op, "triton_op", lambda name, t: (lambda *a: calls.append(name) or tri(*a)))
+    rms_norm_write(x, w, EPS, got, rows)
+    assert calls == ["rms_norm_write"]
+    with pytest.raises(ValueError, match="rms_norm_write"):
+        rms_norm_write(x, w, EPS, got[:, :50], rows)

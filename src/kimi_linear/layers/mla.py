@@ -11,6 +11,7 @@ from torch import nn
 
 from kimi_linear.ops import paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
+from kimi_linear.ops.rms_norm import rms_norm_write
 
 from .context_parallel import ContextParallel
 from .linear import Linear
@@ -75,9 +76,10 @@ class PagedLatentView:
     dst: torch.Tensor
     num_splits: int | None = None
 
-    def write(self, entry: torch.Tensor) -> None:
-        """Store each row's new entry [B, 1, width] at ``dst``."""
-        self.data.view(-1, self.data.shape[-1]).index_copy_(0, self.dst, entry[:, 0].to(self.data.dtype))
+    def write_normed(self, kv: torch.Tensor, norm: RMSNorm) -> None:
+        """Store each row's new entry ``[norm(latent) | rope key]`` at ``dst``, from the layer's projection kv [B,
+        latent + rope] (:func:`kimi_linear.ops.rms_norm.rms_norm_write`: one kernel on CUDA)."""
+        rms_norm_write(kv, norm.weight, norm.eps, self.data.view(-1, self.data.shape[-1]), self.dst)
 
 
 # A prefill chunk after cached tokens expands the cached latents into per-head keys and values this many bytes at a
@@ -218,19 +220,21 @@ class NoPEMLA(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(B, T, H, self.qk_dim).transpose(1, 2)                           # [B, H, T, qk]
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)                                            # [B, T, latent | rope]
+        if isinstance(cache, PagedLatentView):
+            if T != 1 or context_parallel is not None:
+                raise ValueError(f"NoPEMLA: a PagedLatentView cache takes one token per row without context "
+                                 f"parallelism, got T={T}")
+            cache.write_normed(kv[:, 0], self.kv_a_layernorm)
+            out = self._paged(q, cache)
+            return self._output(out, x)
+        latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
         if isinstance(cache, VarlenLatents):
             if B != 1 or context_parallel is not None:
                 raise ValueError("NoPEMLA: VarlenLatents takes the packed sequences as one row (B == 1)")
             cache.new = entry[0]
             out = self._varlen(q, entry, cache)
-        elif isinstance(cache, PagedLatentView):
-            if T != 1 or context_parallel is not None:
-                raise ValueError(f"NoPEMLA: a PagedLatentView cache takes one token per row without context "
-                                 f"parallelism, got T={T}")
-            cache.write(entry)
-            out = self._paged(q, cache)
         elif isinstance(cache, PagedPrefillView):
             if context_parallel is not None or _needs_grad(q):
                 raise ValueError("NoPEMLA: a PagedPrefillView serves inference prefill (no gradient, no context "
@@ -239,6 +243,11 @@ class NoPEMLA(nn.Module):
             out = self._chunked(q, entry, cache.past, cache.read)
         else:
             out = self._dense(q, entry, cache, attn_mask, context_parallel)
+        return self._output(out, x)
+
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate, o_proj."""
+        B, H, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.output_gate:
             out = (upcast(out) * torch.sigmoid(upcast(self.g_proj(x)))).to(out.dtype)

@@ -59,3 +59,27 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         return fast(x, delta, weight, eps)
     s = x + delta
     return s, rms_norm_torch(s, weight, eps)
+
+
+def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                   rows: torch.Tensor) -> None:
+    """Rows of ``[rms_norm(x[:, :D], weight) | x[:, D:]]`` (D = weight's size) stored at rows ``rows`` of ``out``:
+    x [N, W], out [M, W] (e.g. a paged pool viewed flat; written in place, cast to its dtype), rows [N] int64 (not
+    range-checked: that would read them on the host). An MLA decode step's new cache entries, normed latent and
+    rope key, written into the pool by one kernel on CUDA instead of a norm, a concatenation and an index copy.
+    Inference only."""
+    check_rms_norm_inputs(x[..., : weight.shape[0]], weight)
+    N, W = x.shape if x.dim() == 2 else (None, None)
+    if x.dim() != 2 or out.dim() != 2 or out.shape[1] != W or tuple(rows.shape) != (N,) \
+            or rows.dtype != torch.int64 or not (out.device == rows.device == x.device):
+        raise ValueError(f"rms_norm_write: x must be [N, W], out [M, W] and rows int64 [N] on x's device, got x "
+                         f"{tuple(x.shape)}, out {tuple(out.shape)} on {out.device}, rows {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
+    fast = for_inference(triton_op("rms_norm_write", x), x, weight, out)
+    if fast is not None and out.stride(1) == 1:
+        fast(x, weight, eps, out, rows)
+        return
+    D = weight.shape[0]
+    entry = torch.cat([rms_norm_torch(x[:, :D], weight, eps), x[:, D:]], dim=-1)
+    out.index_copy_(0, rows, entry.to(out.dtype))
+

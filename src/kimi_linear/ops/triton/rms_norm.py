@@ -23,14 +23,24 @@ from .chunk_common import cast
 
 @triton.jit
 def rms_norm_kernel(
-    x, delta, w,                      # [N, D] (row strides sx, sd; delta only with HAS_DELTA), [D]
-    y, s,                             # out: [N, D] contiguous: the norm, and x + delta (HAS_DELTA)
-    N, sx, sd, eps,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_DELTA: tl.constexpr,
+    x, delta, w,                      # [N, D (+ TAIL)] (row strides sx, sd; delta only with HAS_DELTA), [D]
+    y, s,                             # out: the norm [.., D (+ TAIL)] (row stride sy), x + delta [N, D] (HAS_DELTA)
+    dst,                              # [N] int64 row of y for each row of x (SCATTER), else row r -> r
+    N, sx, sd, sy, eps,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_DELTA: tl.constexpr, SCATTER: tl.constexpr,
+    TAIL: tl.constexpr, BT: tl.constexpr,
 ):
+    """The norm of each row's first D columns; with TAIL > 0 the row's next TAIL columns are copied after it
+    unchanged (an MLA cache entry: normed latent | rope key), with SCATTER written to rows ``dst`` of y."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (rows < N)[:, None] & (o_d < D)[None, :]
+    o_y = tl.load(dst + rows, mask=rows < N, other=0) if SCATTER else rows                    # [BR] rows of y
+    if TAIL > 0:
+        o_t = D + tl.arange(0, BT)
+        m_t = (rows < N)[:, None] & (o_t < D + TAIL)[None, :]
+        b_t = tl.load(x + rows[:, None] * sx + o_t[None, :], mask=m_t, other=0.0)                # [BR, BT]
+        tl.store(y + o_y[:, None] * sy + o_t[None, :], b_t.to(y.dtype.element_ty), mask=m_t)
     b_x = tl.load(x + rows[:, None] * sx + o_d[None, :], mask=m, other=0.0).to(tl.float32)      # [BR, BD]
     if HAS_DELTA:
         b_d = tl.load(delta + rows[:, None] * sd + o_d[None, :], mask=m, other=0.0).to(tl.float32)
@@ -41,7 +51,7 @@ def rms_norm_kernel(
     # cast to the input dtype before the weight multiply (a no-op for float32 inputs)
     b_n = cast(b_x * b_r[:, None], x.dtype.element_ty).to(tl.float32)
     b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)                            # [BD]
-    tl.store(y + rows[:, None] * D + o_d[None, :], cast(b_n * b_w[None, :], y.dtype.element_ty), mask=m)
+    tl.store(y + o_y[:, None] * sy + o_d[None, :], cast(b_n * b_w[None, :], y.dtype.element_ty), mask=m)
 
 
 def row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -70,10 +80,27 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     # a few rows per program when rows are short, so a program has at least ~2K elements of work
     BR = max(1, min(16, 2048 // BD))
     rms_norm_kernel[(triton.cdiv(N, BR),)](
-        x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, N=N, sx=sx, sd=sd, eps=eps,
-        D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, num_warps=max(1, min(8, BR * BD // 512)),
+        x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, dst=x_r, N=N, sx=sx, sd=sd,
+        sy=D, eps=eps, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
+        num_warps=max(1, min(8, BR * BD // 512)),
     )
     return y, s
+
+
+def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                   rows: torch.Tensor) -> None:
+    """:func:`kimi_linear.ops.rms_norm.rms_norm_write` (arguments checked there): x [N, W], out [M, W] with unit
+    column stride, rows [N] int64."""
+    N, W = x.shape
+    D = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    BD = triton.next_power_of_2(D)
+    rms_norm_kernel[(N,)](
+        x=x, delta=x, w=weight.contiguous(), y=out, s=out, dst=rows.contiguous(), N=N, sx=x.stride(0), sd=0,
+        sy=out.stride(0), eps=eps, D=D, BR=1, BD=BD, HAS_DELTA=False, SCATTER=True, TAIL=W - D,
+        BT=max(1, triton.next_power_of_2(W - D)), num_warps=max(1, min(8, BD // 256)),
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
