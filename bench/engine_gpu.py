@@ -218,8 +218,10 @@ def generate_tpot(model: Any, prompt_len: int, new: int, reps: int, **kw: Any) -
     return dict(prompt=prompt_len, new=new, ttft_s=t1, tpot_ms=1e3 * (tn - t1) / (new - 1))
 
 
-def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int) -> dict:
-    """n prompts of T tokens through the engine (decode of one token each) vs one bare forward over them."""
+def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int, budgets: list[int | None] | None = None) -> dict:
+    """n prompts of T tokens through the engine (decode of one token each) vs one bare forward over them; with
+    ``budgets``, one engine per step token budget (``max_num_batched_tokens``; None: the default), the first
+    budget's result at the top level and every budget's under ``by_budget``."""
     rng = random.Random(3)
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(T)] for _ in range(n)]
@@ -234,22 +236,26 @@ def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int) -> dict:
             sync()
             times.append(time.perf_counter() - t)
         bare = statistics.median(times)
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // 16 + 2), prefix_caching=False,
-                                           num_snapshots=0))
-    engine.capture_cuda_graphs()
-    rounds = []
-    for r in range(3):                            # round 0 warms up the batched prefill shapes, as the bare forward
-        sync()
-        t = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{r}-{i}", p, SamplingParams(max_tokens=1, temperature=0))
-        while engine.has_work():
-            engine.step()
-        sync()
-        rounds.append(time.perf_counter() - t)
-    eng = statistics.mean(rounds[1:])
-    return dict(prompts=n, tokens=T, bare_tok_per_s=n * T / bare, engine_tok_per_s=n * T / eng,
-                ratio=bare / eng, budget=engine.cfg.max_num_batched_tokens)
+    results = []
+    for budget in budgets or [None]:
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // 16 + 2), prefix_caching=False,
+                                               num_snapshots=0, max_num_batched_tokens=budget))
+        engine.capture_cuda_graphs()
+        rounds = []
+        for r in range(3):                        # round 0 warms up the batched prefill shapes, as the bare forward
+            sync()
+            t = time.perf_counter()
+            for i, p in enumerate(prompts):
+                engine.add_request(f"{r}-{i}", p, SamplingParams(max_tokens=1, temperature=0))
+            while engine.has_work():
+                engine.step()
+            sync()
+            rounds.append(time.perf_counter() - t)
+        eng = statistics.mean(rounds[1:])
+        results.append(dict(prompts=n, tokens=T, bare_tok_per_s=n * T / bare, engine_tok_per_s=n * T / eng,
+                            ratio=bare / eng, budget=engine.cfg.max_num_batched_tokens))
+        engine = None
+    return dict(results[0], by_budget=results)
 
 
 def hf_model(model: KimiLinearForCausalLM, tmp: str) -> Any:
@@ -338,6 +344,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny preset and sizes (checks the script on CPU)")
     ap.add_argument("--parts", default="ab", help="which parts to run (default ab; p: only the prefill of b)")
+    ap.add_argument("--prefill-budgets", default="", help="part p alone: step token budgets to compare, e.g. "
+                    "16384,32768 (default: the engine's)")
     ap.add_argument("--check-models", default="small,48b-8l-32e,48b-8l-256e",
                     help="models of (a), comma-separated (default small,48b-8l-32e,48b-8l-256e)")
     ap.add_argument("--speed-model", default="48b-8l-32e", help="model of (b) (default 48b-8l-32e)")
@@ -372,11 +380,14 @@ def main() -> int:
             json.dump(part_b(args, tmp), open(os.path.join(args.out, "b_speed.json"), "w"), indent=1)
             print(f"\n(b) done at {time.perf_counter() - t0:.0f} s", flush=True)
         if "p" in args.parts and "b" not in args.parts:
+            budgets = [int(b) for b in args.prefill_budgets.split(",")] if args.prefill_budgets else None
             p = prefill_compare(build(args.speed_model, torch.bfloat16, args.device, args.smoke), args.prefill_n,
-                                args.prefill_T)
+                                args.prefill_T, budgets)
             json.dump(p, open(os.path.join(args.out, "p_prefill.json"), "w"), indent=1)
-            print(f"\nPrefill of {p['prompts']} x {p['tokens']} tokens: engine {p['engine_tok_per_s']:,.0f} tok/s, "
-                  f"one bare forward {p['bare_tok_per_s']:,.0f} tok/s: {100 * p['ratio']:.0f}%", flush=True)
+            for q in p["by_budget"]:
+                print(f"\nPrefill of {q['prompts']} x {q['tokens']} tokens, step budget {q['budget']}: engine "
+                      f"{q['engine_tok_per_s']:,.0f} tok/s, one bare forward {q['bare_tok_per_s']:,.0f} tok/s: "
+                      f"{100 * q['ratio']:.0f}%", flush=True)
     print(f"\n(a) checks: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
