@@ -208,6 +208,29 @@ def test_mla_prefill_and_absorbed_decode_match_spec():
     assert cache.length == 30 and cache.nbytes() == 2 * 30 * (24 + 4) * 4
 
 
+@pytest.mark.parametrize("q_lora_rank, output_gate, bias", [(None, False, False), (16, True, False),
+                                                             (16, False, True)])
+def test_mla_packed_projections_equal_separate_and_train(q_lora_rank, output_gate, bias):
+    """The projections that read x packed into one matrix (q or q_a, kv_a, K3's output gate) give the separate
+    ones' outputs, prefill and decode; under autograd the parameters themselves run and every one gets a gradient.
+    With biases (``attention_bias``) nothing is packed."""
+    m = randomize(NoPEMLA(48, num_heads=3, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                          q_lora_rank=q_lora_rank, bias=bias, output_gate=output_gate), seed=11).eval()
+    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        cache = m.empty_cache(2, torch.float32, torch.device("cpu"))
+        separate = torch.cat([m(x[:, :6], cache), m(x[:, 6:7], cache)], 1)
+    m.pack()
+    assert (m._pack is None) == bias
+    with torch.no_grad():
+        cache = m.empty_cache(2, torch.float32, torch.device("cpu"))
+        packed = torch.cat([m(x[:, :6], cache), m(x[:, 6:7], cache)], 1)
+    assert rel_err(packed, separate) < 1e-6
+    m(x).square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
 def moe_reference(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token, docs/model.md §5: choose with the bias, weight without it, renormalise, scale."""
     g = m.gate

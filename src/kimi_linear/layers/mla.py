@@ -16,6 +16,7 @@ from kimi_linear.ops.rms_norm import rms_norm_write
 from .context_parallel import ContextParallel
 from .linear import Linear
 from .norm import RMSNorm, upcast
+from .packing import PackedLinears
 
 
 class LatentCache:
@@ -187,6 +188,27 @@ class NoPEMLA(nn.Module):
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         if output_gate:
             self.g_proj = Linear(hidden_size, num_heads * v_head_dim, bias=False)
+        self._pack: PackedLinears | None = None
+
+    def _x_projections(self) -> list[nn.Linear]:
+        """The projections that read x: the query's first (q_proj or q_a_proj), the latent / rope key's, and K3's
+        output gate."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.output_gate else [])
+
+    def pack(self) -> None:
+        """Pack the projections that read x into one matrix (``PackedLinears``: one GEMV a decode step instead of
+        two or three); left separate when they carry biases (``attention_bias``)."""
+        try:
+            self._pack = PackedLinears(self._x_projections())
+        except ValueError:
+            self._pack = None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the query [B, T, H*qk], kv [B, T, latent + rope], the output gate's pre-activation or None)."""
+        parts = self._pack(x) if self._pack is not None else [lin(x) for lin in self._x_projections()]
+        q = parts[0] if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(parts[0]))
+        return q, parts[1], parts[2] if self.output_gate else None
 
     @property
     def cache_width(self) -> int:
@@ -215,19 +237,15 @@ class NoPEMLA(nn.Module):
         """
         B, T, _ = x.shape
         H = self.num_heads
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv, gate = self._project(x)                                             # kv: [B, T, latent | rope]
         q = q.view(B, T, H, self.qk_dim).transpose(1, 2)                           # [B, H, T, qk]
-        kv = self.kv_a_proj_with_mqa(x)                                            # [B, T, latent | rope]
         if isinstance(cache, PagedLatentView):
             if T != 1 or context_parallel is not None:
                 raise ValueError(f"NoPEMLA: a PagedLatentView cache takes one token per row without context "
                                  f"parallelism, got T={T}")
             cache.write_normed(kv[:, 0], self.kv_a_layernorm)
             out = self._paged(q, cache)
-            return self._output(out, x)
+            return self._output(out, gate)
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
         if isinstance(cache, VarlenLatents):
@@ -243,14 +261,14 @@ class NoPEMLA(nn.Module):
             out = self._chunked(q, entry, cache.past, cache.read)
         else:
             out = self._dense(q, entry, cache, attn_mask, context_parallel)
-        return self._output(out, x)
+        return self._output(out, gate)
 
-    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate, o_proj."""
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate (``g_proj(x)``), o_proj."""
         B, H, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
-        if self.output_gate:
-            out = (upcast(out) * torch.sigmoid(upcast(self.g_proj(x)))).to(out.dtype)
+        if gate is not None:
+            out = (upcast(out) * torch.sigmoid(upcast(gate))).to(out.dtype)
         return self.o_proj(out)
 
     def _dense(self, q: torch.Tensor, entry: torch.Tensor, cache: LatentCache | None,
