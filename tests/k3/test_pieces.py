@@ -121,9 +121,7 @@ def test_bounded_gate_differs_from_the_softplus_gate_and_bounds_the_decay():
     x = torch.randn(1, 9, 32, dtype=torch.float64, generator=gen(7))
     with torch.no_grad():
         layer.dt_bias.fill_(30.0)  # a huge pre-activation: softplus would give a decay far below exp(-5)
-    f_a = x @ layer.f_a_proj.weight.T
-    g_raw, _ = layer.low_rank_gates(f_a, x @ layer.g_a_proj.weight.T)
-    args = layer.gate_options()
+    g_raw, _, args = layer.gates(x @ layer.f_a_proj.weight.T, x @ layer.g_a_proj.weight.T)
     assert args["lower_bound"] == -5.0
     from kimi_linear.ops import fused_kda_gate
 

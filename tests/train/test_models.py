@@ -29,9 +29,10 @@ def test_gdn_gate_is_one_scalar_per_head_and_step():
     with torch.no_grad():
         layer.A_log.copy_(torch.tensor([0.3, -0.2]).view(1, 1, 2, 1))
         layer.dt_bias.copy_(torch.tensor([0.5, -1.0]))
-    f_a = torch.randn(3, 5, 16)
-    g, args = layer.forget_gate(f_a)
+    f_a, g_a = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    g, gate, args = layer.gates(f_a, g_a)
     assert args == {} and g.shape == (3, 5, 2, 16)
+    assert torch.equal(gate, layer.g_b_proj(g_a).view(3, 5, 2, 16))               # KDA's output gate
     assert torch.equal(g, g[..., :1].expand_as(g))                                # same on every key channel
     expected = -torch.tensor([0.3, -0.2]).exp() * F.softplus(layer.f_b_proj(f_a) + torch.tensor([0.5, -1.0]))
     assert torch.allclose(g[..., 0], expected, atol=1e-6)

@@ -20,8 +20,9 @@ class GatedDeltaNet(KimiDeltaAttention):
         self.f_b_proj = Linear(head_dim, num_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
 
-    def forget_gate(self, f_a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def gates(self, f_a: torch.Tensor, g_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The decay itself (no in-kernel gate options), broadcast [B, T, H, d], and KDA's output gate."""
         B, T, _ = f_a.shape
         raw = self.f_b_proj(f_a).float() + self.dt_bias                                    # [B, T, H]
         g = -self.A_log.view(self.num_heads).exp() * F.softplus(raw)
-        return g.unsqueeze(-1).expand(B, T, self.num_heads, self.head_dim), {}
+        return g.unsqueeze(-1).expand(B, T, self.num_heads, self.head_dim), self.output_gate(g_a), {}

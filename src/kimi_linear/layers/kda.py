@@ -174,31 +174,31 @@ class KimiDeltaAttention(nn.Module):
             state.conv = window
         return y
 
-    def gate_options(self) -> dict:
-        """The operator options that turn the raw gate ``f_b(f_a(x))`` into ``-exp(A_log) * softplus(g +
-        dt_bias)`` inside the kernel (or, with ``gate_lower_bound``, ``lower_bound * sigmoid(exp(A_log) * (g +
-        dt_bias))``)."""
-        args = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
-        if self.gate_lower_bound is not None:
-            args["lower_bound"] = self.gate_lower_bound
-        return args
-
-    def low_rank_gates(self, f_a: torch.Tensor, g_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The raw forget gate ``f_b(f_a)`` and the output gate (``g_b(g_a)``, or ``g_a`` itself with the
-        full-rank gate), each [B, T, H, d].
+    def gates(self, f_a: torch.Tensor, g_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(the raw forget gate ``f_b(f_a)``, the output gate ``g_b(g_a)`` (``g_a`` itself with the full-rank
+        gate), each [B, T, H, d], and the operator options that turn the raw gate into ``-exp(A_log) * softplus(g
+        + dt_bias)`` inside the kernel, or with ``gate_lower_bound`` ``lower_bound * sigmoid(exp(A_log) * (g +
+        dt_bias))``). A subclass with another forget gate (Gated DeltaNet) overrides this.
 
         Without autograd the two up-projections run as one batched product over the stacked ``[f_b^T, g_b^T]``
         (a decode step pays per kernel, and each is a ~1 MB GEMV); ``f_a`` and ``g_a`` are adjacent columns of
         the packed projection, so their [2, B*T, d] view is read in place."""
+        args = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        if self.gate_lower_bound is not None:
+            args["lower_bound"] = self.gate_lower_bound
         B, T, _ = f_a.shape
         shape = (B, T, self.num_heads, self.head_dim)
         pair = (self.f_b_proj.weight, None if self.full_rank_gate else self.g_b_proj.weight)
         if self.full_rank_gate or (torch.is_grad_enabled() and any(w.requires_grad for w in pair)):
-            g_raw = self.f_b_proj(f_a)
-            return g_raw.view(shape), (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(shape)
+            return self.f_b_proj(f_a).view(shape), self.output_gate(g_a), args
         w = self._derived("gates", pair, f_a.dtype, lambda ws: torch.stack([v.t() for v in ws]))   # [2, d, H*d]
         out = torch.bmm(stacked_rows(f_a, g_a), w)                                                  # [2, B*T, H*d]
-        return out[0].view(shape), out[1].view(shape)
+        return out[0].view(shape), out[1].view(shape), args
+
+    def output_gate(self, g_a: torch.Tensor) -> torch.Tensor:
+        """The output gate's pre-activation [B, T, H, d] from ``g_a`` (the gate projection of x)."""
+        B, T, _ = g_a.shape
+        return (g_a if self.full_rank_gate else self.g_b_proj(g_a)).view(B, T, self.num_heads, self.head_dim)
 
     def _derived(self, name: str, ws: tuple, dtype: torch.dtype, build) -> torch.Tensor:
         """``build(ws)`` in ``dtype``, cached between calls and rebuilt whenever a weight changes (storage or
@@ -252,7 +252,7 @@ class KimiDeltaAttention(nn.Module):
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
         q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
-        g, gate = self.low_rank_gates(f_a, g_a)
+        g, gate, gate_args = self.gates(f_a, g_a)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         if context_parallel is not None:
             kda = context_parallel.chunk_kda            # chunk_kda's contract; the state comes from rank - 1
@@ -276,7 +276,7 @@ class KimiDeltaAttention(nn.Module):
             **memory,
             use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
-            **self.gate_options(),
+            **gate_args,
             cu_seqlens=cu_seqlens,
         )
         if isinstance(state, KDAState):
