@@ -1,5 +1,6 @@
-"""Kimi Delta Attention operators, with fla-core 0.6's names and arguments (``from fla.ops.kda import ...``), and the
-paged MLA decode attention (:mod:`.mla_decode`)."""
+"""Kimi Delta Attention operators, with fla-core 0.6's names and arguments (``from fla.ops.kda import ...``), the
+paged MLA decode attention (:mod:`.mla_decode`), and the model's other fused pieces (MoE and its router, the
+residual stream's norms, a decode step's pool rows)."""
 
 from .checks import KDAShape, check_kda_inputs
 from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
@@ -8,12 +9,15 @@ from .gate import fused_kda_gate, l2norm
 from .mla_decode import paged_mla_decode
 from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
+from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
+from .rms_norm import add_rms_norm, rms_norm, rms_norm_write
 
 __all__ = [
     "CHUNK_SIZE",
     "KDAShape",
+    "add_rms_norm",
     "check_kda_inputs",
     "chunk_gated_delta_rule",
     "chunk_kda",
@@ -23,8 +27,11 @@ __all__ = [
     "gated_rms_norm",
     "l2norm",
     "naive_recurrent_kda",
+    "paged_decode_rows",
     "paged_mla_decode",
-    "short_conv",
+    "rms_norm",
+    "rms_norm_write",
     "router_logits",
+    "short_conv",
     "sigmoid_topk",
 ]
