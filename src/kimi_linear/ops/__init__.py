@@ -12,7 +12,7 @@ from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
-from .rms_norm import add_rms_norm, rms_norm, rms_norm_write
+from .rms_norm import add_rms_norm, rms_norm_write  # (rms_norm itself: kimi_linear.ops.rms_norm.rms_norm)
 
 __all__ = [
     "CHUNK_SIZE",
@@ -29,7 +29,6 @@ __all__ = [
     "naive_recurrent_kda",
     "paged_decode_rows",
     "paged_mla_decode",
-    "rms_norm",
     "rms_norm_write",
     "router_logits",
     "short_conv",
