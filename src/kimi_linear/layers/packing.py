@@ -49,18 +49,21 @@ class PackedLinears:
         self.linears = linears
         self.weight = packed
         self.sizes = [lin.weight.shape[0] for lin in linears]
+        # The linears' parameter dicts, read directly: these checks run on every decode call, and going through
+        # nn.Module.__getattr__ for each weight costs more than the check itself.
+        self._params = [lin._parameters for lin in linears]
         self._ptrs = self._current_ptrs()
 
     def _current_ptrs(self) -> tuple[int, ...]:
-        return tuple(lin.weight.data_ptr() for lin in self.linears)
+        return tuple(p["weight"].data_ptr() for p in self._params)
 
     def intact(self) -> bool:
         """True while every weight is still its view of the packed matrix."""
-        return self._current_ptrs() == self._ptrs and self.linears[0].weight.dtype == self.weight.dtype
+        return self._current_ptrs() == self._ptrs and self._params[0]["weight"].dtype == self.weight.dtype
 
     def valid(self) -> bool:
         """True while every weight is still a view of the packed matrix and no gradient is needed."""
-        if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
+        if torch.is_grad_enabled() and any(p["weight"].requires_grad for p in self._params):
             return False  # autograd must see the parameters themselves
         return self.intact()
 
