@@ -106,6 +106,7 @@ CASES = [  # (lens, block size, splits, heads)
     ([300, 1, 17, 64], 16, 5, 20),       # 5 splits (all past the length-1 row's one key); 2 head blocks
     ([130, 64, 3], 64, 4, 5),            # 64-key blocks: a key tile inside one block
     ([257, 9], 64, 16, 3),               # more splits than tiles
+    ([3000, 70], 16, 100, 3),            # more splits than one merge step takes (MERGE_BS): online rescaling
 ]
 
 

@@ -48,7 +48,7 @@ LAUNCH_LONG = (32, 64, 8, 2, False)                 # 16-bit pools, splits of >=
 LONG_SPLIT_KEYS = 512   # 1 row x 128k in 132 splits of ~1k keys: 0.099 ms with these tiles, 0.114 with LAUNCH's
 LONG_PER_SM = 1         # one [32, 64] program per SM fills it (128 rows x 4k: 1 split, no merge pass; 2 were slower)
 MERGE_BV = 128          # channels per merge program
-MERGE_BS = 16           # splits merged per step of the merge loop
+MERGE_BS = 64           # most splits merged per step of the merge loop (fewer when there are fewer splits)
 
 # Split heuristic (default_num_splits): about PROGRAMS_PER_SM split programs per SM in flight (two fit by registers
 # and shared memory), a full-length row cut into pieces of at most MAX_SPLIT_KEYS keys (lengths are unknown on the
@@ -170,6 +170,9 @@ def mla_decode_merge_kernel(
     H, NS, MB,
     C: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, BSP: tl.constexpr,
 ):
+    """One pass over the row's used splits, BSP at a time, with the same online rescaling as the split kernel
+    (each step's lse and partial outputs are loaded together: at batch 1 a merge is one or two round trips to
+    memory, not a max pass and then a sum pass)."""
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     L, NT, TPS = split_range(seq_lens, i_b, NS, MB, BS, BN)
     n_used = tl.cdiv(NT, TPS)         # the splits the split kernel wrote; the others hold whatever memory held
@@ -177,23 +180,23 @@ def mla_decode_merge_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < C
 
-    b_mx = tl.full([BSP], float("-inf"), dtype=tl.float32)                                           # [BSP]
-    for i0 in range(0, n_used, BSP):
-        o_sp = i0 + tl.arange(0, BSP)
-        b_mx = tl.maximum(b_mx, tl.load(lse_part + i_bh * NS + o_sp, mask=o_sp < n_used, other=float("-inf")))
-    b_M = tl.max(b_mx, 0)
+    b_M = tl.full([], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([], dtype=tl.float32)
     b_acc = tl.zeros([BV], dtype=tl.float32)                                                         # [BV]
-    b_l = tl.zeros([BSP], dtype=tl.float32)                                                          # [BSP]
     for i0 in range(0, n_used, BSP):
         o_sp = i0 + tl.arange(0, BSP)
         m_sp = o_sp < n_used
         b_lse = tl.load(lse_part + i_bh * NS + o_sp, mask=m_sp, other=float("-inf"))                # [BSP]
-        b_w = tl.where(m_sp, tl.exp2(b_lse - b_M), 0.0)
         b_op = tl.load(o_part + (i_bh * NS + o_sp)[:, None] * C + o_v[None, :],
                        mask=m_sp[:, None] & m_v[None, :], other=0.0)                                 # [BSP, BV]
-        b_acc += tl.sum(b_w[:, None] * b_op, 0)
-        b_l += b_w
-    b_inv, b_lse = finish(b_M, tl.sum(b_l, 0))
+        # every used split holds keys, so its lse is finite and b_M_new is from the first step on
+        b_M_new = tl.maximum(b_M, tl.max(b_lse, 0))
+        b_alpha = tl.exp2(b_M - b_M_new)
+        b_w = tl.where(m_sp, tl.exp2(b_lse - b_M_new), 0.0)                                          # [BSP]
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_op, 0)
+        b_l = b_l * b_alpha + tl.sum(b_w, 0)
+        b_M = b_M_new
+    b_inv, b_lse = finish(b_M, b_l)
     b_o = b_acc * b_inv                                                                              # [BV]
     tl.store(o + i_bh * C + o_v, cast(b_o, o.dtype.element_ty), mask=m_v)
     tl.store(lse + i_bh, b_lse * LN2, mask=i_v == 0)
@@ -281,6 +284,6 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         BV = min(MERGE_BV, BC)
         mla_decode_merge_kernel[(triton.cdiv(C, BV), H, B)](
             o_part, lse_part, seq_lens, o, lse, H, NS, MB,
-            C=C, BS=BS, BN=BN, BV=BV, BSP=MERGE_BS, num_warps=4,
+            C=C, BS=BS, BN=BN, BV=BV, BSP=min(MERGE_BS, triton.next_power_of_2(NS)), num_warps=4,
         )
     return o, lse
