@@ -9,7 +9,8 @@ the PyTorch path step by step, so results agree up to the float32 reduction orde
     y = (n rounded to x's dtype) * weight      float32 product, rounded once to y's dtype
 
 Rows are the [..., D] vectors; the inputs may be views with a row stride (a slice of a packed projection),
-outputs are contiguous.
+outputs are contiguous (``rms_norm_write``: rows of a pool named by an index, the columns past D copied after
+the norm).
 """
 
 from __future__ import annotations
