@@ -366,9 +366,19 @@ def measure(run: Run, kind: str, bw: float, rate: float) -> None:
         if not run.fits(est):
             res["prefill"].append(dict(context=n, skipped=f"budget (estimate {est:.0f} s)"))
             continue
-        row = prefill_point(model, n, a.warmup, a.steps, a.block_size, a.prefill_chunk, bw, rate)
+        # a placeholder that says how far the prefill got, in case the call is cut before it ends
+        res["prefill"].append(dict(context=n, skipped="cut before its first token (0 tokens prefilled)"))
+
+        def progress(done: int, seconds: float, n: int = n) -> None:
+            res["prefill"][-1]["skipped"] = (f"cut before its first token: {done:,} of {n:,} tokens prefilled in "
+                                             f"{seconds:.0f} s")
+            run.save()
+
+        run.save()
+        row = prefill_point(model, n, a.warmup, a.steps, a.block_size, a.prefill_chunk, bw, rate, progress=progress,
+                            every_s=0.0 if a.smoke else 15.0)
         row["estimate_s"] = est
-        res["prefill"].append(row)
+        res["prefill"][-1] = row
         print(f"prefill {kind} {n:,}: {row['prefill_s']:.2f} s, then {row['decode_step_ms']:.3f} ms a token",
               flush=True)
         run.save()

@@ -21,6 +21,7 @@ import gc
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,9 +170,11 @@ def warm_prefill(model: Any, block_size: int, chunk: int) -> None:
 
 
 def prefill_point(model: Any, context: int, warmup: int, steps: int, block_size: int, chunk: int, bw: float,
-                  rate: float, seed: int = 1) -> dict[str, Any]:
+                  rate: float, seed: int = 1, progress: Callable[[int, float], None] | None = None,
+                  every_s: float = 15.0) -> dict[str, Any]:
     """One sequence of ``context`` prompt tokens prefilled in chunks of ``chunk`` through the engine, timed to its
-    first token; then ``warmup`` + ``steps`` decode steps from the real cache."""
+    first token; then ``warmup`` + ``steps`` decode steps from the real cache. ``progress(tokens, seconds)`` is
+    called about every ``every_s`` seconds of the prefill (so a run cut short still says how far it got)."""
     warm_prefill(model, block_size, chunk)
     _peak_reset()
     engine = LLMEngine(model, engine_config(1, context + warmup + steps + 2, block_size, chunk))
@@ -183,9 +186,14 @@ def prefill_point(model: Any, context: int, warmup: int, steps: int, block_size:
     sync()
     t0 = time.perf_counter()
     chunks = 0
+    reported = t0
     while not first:
         engine.step()
         chunks += 1
+        now = time.perf_counter()
+        if progress is not None and now - reported >= every_s and not first:
+            reported = now
+            progress(sum(s.num_computed for s in engine.running), now - t0)
     prefill_s = first[0] - t0
     peak_prefill = _peak()
     row = dict(kind="prefill", context=context, batch=1, fill="prefill", prefill_s=prefill_s, chunk=chunk,
