@@ -81,3 +81,27 @@ def test_paged_prefill_view_refuses_gradients():
     view = PagedPrefillView(torch.zeros(4, 4, m.cache_width), torch.zeros(1, 4, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="PagedPrefillView"):
         m(torch.randn(1, 3, D), view)
+
+
+def test_consecutive_blocks_read_as_a_view(monkeypatch):
+    """One row whose blocks are consecutive (a long prompt in a fresh pool): the history is read as a view of the
+    pool, not gathered, with the same result; the engine's check of the block list."""
+    from kimi_linear.engine.model_runner import consecutive_start
+
+    m = layer()
+    small_key_blocks(monkeypatch, m, 5)
+    x = torch.randn(1, N, D, generator=torch.Generator().manual_seed(5))
+    bs, nb = 4, 6
+    pool = torch.full((nb + 5, bs, m.cache_width), float("nan"))
+    table = torch.arange(3, 3 + nb)[None]                            # blocks 3, 4, .. 8
+    with torch.no_grad():
+        m(x[:, :P], PagedPrefillView(pool, table, 0))
+        gathered = m(x[:, P:], PagedPrefillView(pool, table, P))
+        view = PagedPrefillView(pool, table, P, first_block=3)
+        viewed = m(x[:, P:], view)
+    assert torch.equal(viewed, gathered)
+    part = view.read(2, P - 1)
+    assert part.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()        # no copy
+    assert torch.equal(part, PagedPrefillView(pool, table, P).read(2, P - 1))
+    assert consecutive_start([3, 4, 5, 9], 3) == 3 and consecutive_start([3, 4, 6], 3) is None
+    assert consecutive_start([3], 2) is None and consecutive_start([], 0) is None

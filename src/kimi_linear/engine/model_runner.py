@@ -39,6 +39,14 @@ from .sequence import Sequence
 DENSE_MASK_ELEMENTS = 1 << 24
 
 
+def consecutive_start(blocks: list[int], n: int) -> int | None:
+    """blocks[0] when the first n blocks are consecutive (blocks[i] == blocks[0] + i), else None."""
+    if n == 0 or len(blocks) < n:
+        return None
+    b0 = blocks[0]
+    return b0 if blocks[:n] == list(range(b0, b0 + n)) else None
+
+
 class ModelRunner:
     """Forwards of one engine. ``graphs``: the fixed-shape decode step (``capture``: as CUDA graphs)."""
 
@@ -99,7 +107,8 @@ class ModelRunner:
                 dst = pool_rows(table, lens[:, None], bs)[:, 0]
                 views: list = [PagedLatentView(data, table, lens + 1, dst) for data in cm.blocks.data]
             else:
-                views = [PagedPrefillView(data, table, L) for data in cm.blocks.data]
+                first = consecutive_start(seqs[0].block_table, -(-L // cm.cfg.block_size)) if B == 1 else None
+                views = [PagedPrefillView(data, table, L, first) for data in cm.blocks.data]
             for li, view in zip(cm.mla_idx, views):
                 cache.layers[li] = view
         cache.seq_len = L
