@@ -11,6 +11,7 @@ from torch import nn
 
 from kimi_linear.ops import paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
+from kimi_linear.ops.paged import pool_rows
 from kimi_linear.ops.rms_norm import rms_norm_write
 
 from .context_parallel import ContextParallel
@@ -48,12 +49,6 @@ class LatentCache:
 
     def select(self, rows: torch.Tensor) -> None:
         self.buf = self.buf[rows]
-
-
-def pool_rows(block_table: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat rows ``block * block_size + offset`` of a paged pool (viewed [blocks * block_size, width]) holding the
-    positions ``pos`` ([B, n] int64, per row of ``block_table`` [B, max_blocks]): int64 [B, n]."""
-    return block_table.gather(1, pos // block_size).long() * block_size + pos % block_size
 
 
 @dataclass

@@ -19,12 +19,17 @@ import torch
 from .backend import triton_op
 
 
+def pool_rows(block_table: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat rows ``block * block_size + offset`` of a paged pool (viewed [blocks * block_size, width]) holding the
+    positions ``pos`` ([B, n] int64, per row of ``block_table`` [B, max_blocks]): int64 [B, n]."""
+    return block_table.gather(1, pos // block_size).long() * block_size + pos % block_size
+
+
 def paged_decode_rows_torch(block_table: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
                             block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`paged_decode_rows` in PyTorch."""
     table = block_table.index_select(0, slots)
-    blk = table.gather(1, (lens // block_size)[:, None])[:, 0].long()
-    return table, blk * block_size + lens % block_size, (lens + 1).to(torch.int32)
+    return table, pool_rows(table, lens[:, None], block_size)[:, 0], (lens + 1).to(torch.int32)
 
 
 def paged_decode_rows(block_table: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
