@@ -170,9 +170,9 @@ def mla_decode_merge_kernel(
     H, NS, MB,
     C: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, BSP: tl.constexpr,
 ):
-    """One pass over the row's used splits, BSP at a time, with the same online rescaling as the split kernel
-    (each step's lse and partial outputs are loaded together: at batch 1 a merge is one or two round trips to
-    memory, not a max pass and then a sum pass)."""
+    """One pass over the row's used splits, BSP at a time, with the same online rescaling as the split kernel:
+    each step loads its lse and partial outputs together, so at batch 1 a merge is one or two round trips to
+    memory."""
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     L, NT, TPS = split_range(seq_lens, i_b, NS, MB, BS, BN)
     n_used = tl.cdiv(NT, TPS)         # the splits the split kernel wrote; the others hold whatever memory held

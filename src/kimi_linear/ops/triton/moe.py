@@ -358,9 +358,8 @@ def router_logits_kernel(
 ):
     """BN rows x BE experts per program: float32 products (exact float32 FMA arithmetic, no tensor cores: the
     router's top-k is sensitive to the last bits) accumulated elementwise over D's steps of BK, then reduced once:
-    the steps' loads have no reduction between them and overlap (a GEMV this small waits on load latency, the H200
-    profile: 4.4 us a call with a reduction per step). BN is fixed by the wrapper, never by N, so a row's sums do
-    not depend on the rows beside it."""
+    the steps' loads have no reduction between them and overlap (a GEMV this small waits on load latency). BN is
+    fixed by the wrapper, never by N, so a row's sums do not depend on the rows beside it."""
     i_n, i_e = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     o_e = i_e * BE + tl.arange(0, BE)
