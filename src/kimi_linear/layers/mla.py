@@ -96,8 +96,8 @@ class PagedPrefillView:
     past: tokens already cached in every row (a host int: it sizes the key blocks).
     first_block: with one row whose cached tokens sit in consecutive blocks ``first_block, first_block + 1, ..``
         (what a long prompt gets from a fresh pool), those blocks are read as a view of the pool instead of gathered:
-        a chunked prefill reads its whole history once per chunk, and at 1M tokens the gathers alone were ~1.2 GB
-        a layer and chunk. None: gathered through the table.
+        a chunked prefill reads its whole history once per chunk, and at 1M tokens a gather would copy ~1.2 GB a
+        layer and chunk. None: gathered through the table.
     """
 
     data: torch.Tensor
