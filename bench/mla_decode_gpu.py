@@ -48,6 +48,8 @@ from kimi_linear.ops import paged_mla_decode  # noqa: E402
 from kimi_linear.ops.triton import mla_decode as tri  # noqa: E402
 
 CTX_BAR, LSE_BAR = 1e-2, 1e-3
+LAUNCH_KEYS = ("block_h", "block_n", "num_warps", "num_stages")
+CANDIDATE = (32, 128, 16, 2)    # a launch (BH, BN, warps, stages) the checks run beside the default: (c) may pick it
 FAILED: list[str] = []
 RESULTS: dict[str, list[dict]] = {"checks": [], "timings": [], "sweep": []}
 
@@ -181,22 +183,22 @@ def run_checks() -> None:
             ctx, lse = paged_mla_decode(*c.args(), return_lse=True)
             sync()
             err, lerr = compare(c, ctx, lse)
-            # the transposed products of the long-split tiles too (launch override), on the same case
-            ctx_t, lse_t = tri.paged_mla_decode(*c.args(), block_h=32, block_n=64, num_warps=8, transposed=True)
+            # the candidate launch too (override), on the same case
+            ctx_t, lse_t = tri.paged_mla_decode(*c.args(), **dict(zip(LAUNCH_KEYS, CANDIDATE)))
             sync()
             err_t, lerr_t = compare(c, ctx_t, lse_t)
             ok = max(err, err_t) < CTX_BAR and max(lerr, lerr_t) < LSE_BAR
             ns = tri.default_num_splits(B, S.H, c.max_blocks, bs, tri.num_sms(S.dev))
             rows.append(dict(case=name, splits=ns, pool_elements=c.cache.numel(), ctx_err=err, lse_err=lerr,
-                             transposed_ctx_err=err_t, transposed_lse_err=lerr_t, ok="yes" if ok else "**NO**"))
+                             candidate_ctx_err=err_t, candidate_lse_err=lerr_t, ok="yes" if ok else "**NO**"))
             if not ok:
-                FAILED.append(f"check {name}: ctx {err:.3g} lse {lerr:.3g}, transposed {err_t:.3g} {lerr_t:.3g}")
+                FAILED.append(f"check {name}: ctx {err:.3g} lse {lerr:.3g}, candidate {err_t:.3g} {lerr_t:.3g}")
             ctx_t = lse_t = None
             c = ctx = lse = None
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            rows.append(dict(case=name, splits="", pool_elements="", ctx_err="", lse_err="", transposed_ctx_err="",
-                             transposed_lse_err="", ok=f"**{type(e).__name__}**"))
+            rows.append(dict(case=name, splits="", pool_elements="", ctx_err="", lse_err="", candidate_ctx_err="",
+                             candidate_lse_err="", ok=f"**{type(e).__name__}**"))
             FAILED.append(f"check {name}: {type(e).__name__}: {e}")
         empty_cache()
     table("(a) paged_mla_decode vs dense float32 attention (bf16 pool, shuffled blocks, NaN elsewhere)", rows)
@@ -344,28 +346,27 @@ def run_timings(peak: float) -> None:
 
 
 def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
-    # (BH, BN, warps, stages, transposed): transposed = keys as the products' rows (Hopper's wgmma, offline sm_90
-    # build: [32, 64] at 8 warps 244 registers, no spills, 188 KB of shared memory)
-    configs = [(16, 32, 4, 2, False), (16, 16, 4, 3, False), (16, 32, 4, 3, False), (16, 64, 4, 3, False),
-               (32, 64, 8, 2, False), (32, 64, 8, 3, False), (16, 64, 4, 2, True), (32, 64, 8, 2, True),
-               (32, 64, 8, 3, True)]
+    # (BH, BN, warps, stages). Offline sm_90 build: [32, 128] at 16 warps 128 registers + 80 B spilled, 193 KB of
+    # shared memory; at 8 warps 255 + 280 B; [16, 128] at 8 warps 225, no spill, 170 KB. (Sweeps of other forms and
+    # tiles: the comment above LAUNCH in kimi_linear.ops.triton.mla_decode.)
+    configs = [(32, 64, 8, 2), (32, 128, 16, 2), (32, 128, 8, 2), (16, 128, 8, 2), (32, 64, 16, 2)]
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
         chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
         base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0],
                                       tri.LONG_PER_SM if chosen == tri.LAUNCH_LONG else tri.PROGRAMS_PER_SM)
-        for BH, BN, nw, ns, tr in configs:
+        for BH, BN, nw, ns in configs:
             base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH,
-                                             tri.LONG_PER_SM if BH == 32 else tri.PROGRAMS_PER_SM)
+                                             tri.LONG_PER_SM if BH >= 32 else tri.PROGRAMS_PER_SM)
             most = max(1, L // 16)
             for splits in sorted({min(most, max(1, s)) for s in (base_bh // 2, base_bh, 2 * base_bh, 4 * base_bh)}):
-                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, transposed=tr, splits=splits)
+                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, splits=splits)
                 try:
                     fn = partial(tri.paged_mla_decode, *c.args(), num_splits=splits, block_h=BH, block_n=BN,
-                                 num_warps=nw, num_stages=ns, transposed=tr)
+                                 num_warps=nw, num_stages=ns)
                     ms = bench_ms(graph_of(fn) if S.dev.type == "cuda" else fn)   # no host time in short cases
-                    rows.append(dict(row, default=(BH, BN, nw, ns, tr) == chosen and splits == base, ms=ms,
+                    rows.append(dict(row, default=(BH, BN, nw, ns) == chosen and splits == base, ms=ms,
                                      GB_s=c.nbytes() / (ms * 1e-3) / 1e9))
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(row, default=False, ms=f"**{type(e).__name__}**", GB_s=""))
@@ -406,19 +407,19 @@ def offline_sm90() -> int:
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         launches = [tri.LAUNCH[torch.empty(0, dtype=dt).element_size()]]
         if dt != torch.float32:
-            launches += [tri.LAUNCH_LONG, (*tri.LAUNCH_LONG[:4], not tri.LAUNCH_LONG[4])]
-        for (BH, BN, nw, ns, tr), bs, single in product(launches, (16, 64, 256), (True, False)):
+            launches += [tri.LAUNCH_LONG, CANDIDATE]
+        for (BH, BN, nw, ns), bs, single in product(launches, (16, 64, 256), (True, False)):
             d = "*" + name[dt]
             sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",
                        o=d, lse="*fp32", qk_scale="fp32", stride_t="i32", H="i32", NS="i32", MB="i32")
             const = dict(C=512, R=64, BS=bs, BH=BH, BN=BN, BC=512, BR=64,
-                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, TRANS=tr)
+                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single)
             try:
                 res = build(tri.mla_decode_split_kernel, sig, const, nw, ns)
             except Exception as e:  # noqa: BLE001
                 res = f"**{type(e).__name__}**: {str(e)[-300:]}"
             rows.append(dict(kernel="split" + (" (one split)" if single else ""), dtype=name[dt], block=bs,
-                             tiles=f"{BH}x{BN}" + (" transposed" if tr else ""), warps=nw, stages=ns,
+                             tiles=f"{BH}x{BN}", warps=nw, stages=ns,
                              build=res))
         sig = dict(o_part="*fp32", lse_part="*fp32", seq_lens="*i32", o="*" + name[dt], lse="*fp32", H="i32",
                    NS="i32", MB="i32")

@@ -67,6 +67,9 @@ def reference(q, cache, table, seq_lens, scale, C):
     return ctx, lse
 
 
+LAUNCH_KEYS = ("block_h", "block_n", "num_warps", "num_stages")     # a launch tuple's overrides, in order
+
+
 def triton_decode(*args, **kw):
     pytest.importorskip("triton")
     from kimi_linear.ops.triton.mla_decode import paged_mla_decode as tri
@@ -110,13 +113,14 @@ CASES = [  # (lens, block size, splits, heads)
 ]
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("launch", [None, (32, 128, 16, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens, bs, splits, H", CASES)
-def test_triton_matches_reference(lens, bs, splits, H, dtype, transposed):
-    """Both forms of the split kernel's products (heads or keys as the rows)."""
+def test_triton_matches_reference(lens, bs, splits, H, dtype, launch):
+    """The launch table's tiles, and tiles of more heads than the case has (padded rows masked)."""
     q, cache, table, seq = make_case(lens, bs=bs, H=H, dtype=dtype, seed=len(lens) + bs + splits)
-    ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, num_splits=splits, transposed=transposed)
+    ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, num_splits=splits,
+                            **dict(zip(LAUNCH_KEYS, launch or ())))
     ctx_ref, lse_ref = reference(q, cache, table, seq, 0.25, 32)
     bar, lse_bar = bars(dtype)
     assert ctx.dtype == dtype and ctx.shape == (len(lens), H, 32) and lse.dtype == torch.float32
@@ -128,10 +132,13 @@ def test_triton_matches_reference(lens, bs, splits, H, dtype, transposed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_kimi_width(dtype):
     """The Kimi-Linear-48B entry (C = 512, R = 64) with 32 heads (two head blocks), default split count; and the
-    transposed products with the [32 heads x 64 keys] tiles of long splits."""
+    long splits' tiles (LAUNCH_LONG)."""
     q, cache, table, seq = make_case([40, 3], bs=16, C=512, R=64, H=32, dtype=dtype, seed=5)
     ctx_ref, lse_ref = reference(q, cache, table, seq, 192 ** -0.5, 512)
-    for kw in ({}, dict(block_h=32, block_n=64, num_warps=8, transposed=True)):
+    pytest.importorskip("triton")
+    from kimi_linear.ops.triton.mla_decode import LAUNCH_LONG
+
+    for kw in ({}, dict(zip(LAUNCH_KEYS, LAUNCH_LONG))):
         ctx, lse = triton_decode(q, cache, table, seq, 192 ** -0.5, 512, **kw)
         assert rel_err(ctx, ctx_ref) < 5e-3 and (lse.double() - lse_ref).abs().max() < 1e-4
 

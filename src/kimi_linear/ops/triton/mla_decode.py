@@ -39,12 +39,13 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # warps and none at 8 (163-176). H200 sweep (bench/mla_decode_gpu.py --sweep, bf16, H = 32): [32, 64] tiles at 8
 # warps read long splits faster (1 row x 1M: 0.585 vs 0.669 ms; 256 rows x 4k: 0.586 vs 0.673 ms) and short ones
 # slower (1 row x 32k in 128 splits of 256 keys: 0.078 vs 0.046 ms), so they serve splits of >= LONG_SPLIT_KEYS.
-# (BH, BN, num_warps, num_stages, transposed); transposed: keys as the rows of both products (s^T = K q^T, acc^T +=
-# K^T p^T), which lets Hopper's wgmma take them (M = BN and C; with heads as the rows, M = BH = 32 is too small and
-# Triton falls back to mma.sync). Offline sm_90 build of [32, 64] at 8 warps: 244 registers, no spills, 188 KB of
-# shared memory. Not yet timed on the H200: bench/mla_decode_gpu.py --sweep decides, then the loser goes.
-LAUNCH = {2: (16, 32, 4, 2, False), 4: (16, 32, 8, 2, False)}     # pool element size -> launch
-LAUNCH_LONG = (32, 64, 8, 2, False)                 # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys
+# Every [.., 32-head] tile runs on mma.sync (M = 32 is too small for Hopper's wgmma). H200 sweeps of 2026-12-02 found
+# nothing clearly faster at 1 x 1M (0.585 ms, ~2.1 TB/s): keys as the products' rows (on wgmma) 0.596; heads padded
+# to 64 (wgmma, double-buffered key tiles) 0.626 at best; the next tile's keys loaded into registers before this
+# tile's products 0.757; [32, 128] at 16 warps 0.567 (128 x 4k 0.284 vs 0.305, but 1 x 128k 0.099 vs 0.094): the one
+# candidate left, not yet checked on the GPU.
+LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
+LAUNCH_LONG = (32, 64, 8, 2)                 # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys
 LONG_SPLIT_KEYS = 512   # 1 row x 128k in 132 splits of ~1k keys: 0.099 ms with these tiles, 0.114 with LAUNCH's
 LONG_PER_SM = 1         # one [32, 64] program per SM fills it (128 rows x 4k: 1 split, no merge pass; 2 were slower)
 MERGE_BV = 128          # channels per merge program
@@ -84,6 +85,43 @@ def finish(b_m, b_l):
 
 
 @triton.jit
+def tile_blocks(p_t, i_t, hi, BS: tl.constexpr, BN: tl.constexpr):
+    """Pool block of each key of tile i_t ([BN] int64); 0 for keys at or past ``hi`` (their table entries may hold
+    anything, NaN included in the pool: they are never read)."""
+    o_n = i_t * BN + tl.arange(0, BN)
+    return tl.load(p_t + o_n // BS, mask=o_n < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def tile_keys(cache, i_t, b_blk, hi, BS: tl.constexpr, BN: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+              BC: tl.constexpr, BR: tl.constexpr):
+    """Tile i_t's entries: latent part [BN, BC] and rope part [BN, BR] (0 past ``hi``, C and R)."""
+    W: tl.constexpr = C + R          # constexpr: row offsets are multiples of W, so loads of a row vectorise
+    o_n = i_t * BN + tl.arange(0, BN)
+    o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
+    m_n = o_n < hi
+    o_row = (b_blk * BS + o_n % BS) * W                                                              # [BN] int64
+    b_k = tl.load(cache + o_row[:, None] + o_c[None, :], mask=m_n[:, None] & (o_c < C)[None, :], other=0.0)
+    b_kr = tl.load(cache + o_row[:, None] + C + o_r[None, :], mask=m_n[:, None] & (o_r < R)[None, :], other=0.0)
+    return b_k, b_kr
+
+
+@triton.jit
+def attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC: tl.constexpr):
+    """One tile of the online softmax (base 2): scores s = scale q K^T [BH, BN] (latent and rope parts as two
+    products: 512 + 64 is no power of 2), then the running max m, sum l and output acc rescaled and updated.
+    A split's first tile always holds a key, so m is finite from the first tile on."""
+    b_s = mm(b_q, tl.trans(b_k), PREC) + mm(b_qr, tl.trans(b_kr), PREC)                             # [BH, BN]
+    b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))                                                        # [BH]
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_p = tl.exp2(b_s - b_m_new[:, None])                                                            # [BH, BN]
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + mm(cast(b_p, b_k.dtype), b_k, PREC)                          # [BH, BC]
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
 def mla_decode_split_kernel(
     q, cache, block_table, seq_lens,  # [B, H, W], [num_blocks, BS, W], [B, >= MB] (row stride stride_t), [B]
     o_part, lse_part,                 # out: [B, H, NS, C] float32, [B, H, NS] float32 (base 2); unused if SINGLE
@@ -91,14 +129,15 @@ def mla_decode_split_kernel(
     qk_scale, stride_t, H, NS, MB,
     C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-    PREC: tl.constexpr, SINGLE: tl.constexpr, TRANS: tl.constexpr,
+    PREC: tl.constexpr, SINGLE: tl.constexpr,
 ):
     # head blocks fastest: the programs that read the same key tiles start side by side and share them in L2
     i_hb, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    W: tl.constexpr = C + R          # constexpr: row offsets are multiples of W, so loads of a row vectorise
+    W: tl.constexpr = C + R
     L, NT, TPS = split_range(seq_lens, i_b, NS, MB, BS, BN)
     t0 = i_s * TPS
     t1 = tl.minimum(t0 + TPS, NT)
+    hi = tl.minimum(t1 * BN, L)      # this split's keys end here
 
     o_h = i_hb * BH + tl.arange(0, BH)
     o_c = tl.arange(0, BC)
@@ -111,41 +150,12 @@ def mla_decode_split_kernel(
 
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)                                             # [BH]
     b_l = tl.zeros([BH], dtype=tl.float32)                                                           # [BH]
-    if TRANS:
-        b_qt, b_qrt = tl.trans(b_q), tl.trans(b_qr)                                                  # [BC|BR, BH]
-        b_acc = tl.zeros([BC, BH], dtype=tl.float32)                                                 # [BC, BH]
-    else:
-        b_acc = tl.zeros([BH, BC], dtype=tl.float32)                                                 # [BH, BC]
+    b_acc = tl.zeros([BH, BC], dtype=tl.float32)                                                     # [BH, BC]
     p_t = block_table + i_b * stride_t
     for i_t in range(t0, t1):
-        o_n = i_t * BN + tl.arange(0, BN)                                                            # [BN] keys
-        m_n = o_n < L
-        # keys past L are not loaded at all: their blocks (or table entries) may hold anything, NaN included
-        b_blk = tl.load(p_t + o_n // BS, mask=m_n, other=0).to(tl.int64)                            # [BN]
-        o_row = (b_blk * BS + o_n % BS) * W                                                          # [BN] int64
-        b_k = tl.load(cache + o_row[:, None] + o_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)
-        b_kr = tl.load(cache + o_row[:, None] + C + o_r[None, :], mask=m_n[:, None] & m_r[None, :], other=0.0)
-        # the first tile of a split always holds a key (t0 < NT), so b_m_new is finite from the first step on
-        if TRANS:
-            # keys as the rows (M = BN) of both products: s^T = K q^T, acc^T += K^T p^T (M = C)
-            b_st = mm(b_k, b_qt, PREC) + mm(b_kr, b_qrt, PREC)                                       # [BN, BH]
-            b_st = tl.where(m_n[:, None], b_st * qk_scale, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_st, 0))                                               # [BH]
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_pt = tl.exp2(b_st - b_m_new[None, :])                                                  # [BN, BH]
-            b_l = b_l * b_alpha + tl.sum(b_pt, 0)
-            b_acc = b_acc * b_alpha[None, :] + mm(tl.trans(b_k), cast(b_pt, dt), PREC)               # [BC, BH]
-        else:
-            b_s = mm(b_q, tl.trans(b_k), PREC) + mm(b_qr, tl.trans(b_kr), PREC)                     # [BH, BN]
-            b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))                                                # [BH]
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_p = tl.exp2(b_s - b_m_new[:, None])                                                    # [BH, BN]
-            b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            b_acc = b_acc * b_alpha[:, None] + mm(cast(b_p, dt), b_k, PREC)                         # [BH, BC]
-        b_m = b_m_new
-    if TRANS:
-        b_acc = tl.trans(b_acc)                                                                      # [BH, BC]
+        b_k, b_kr = tile_keys(cache, i_t, tile_blocks(p_t, i_t, hi, BS, BN), hi, BS, BN, C, R, BC, BR)   # [BN, BC|BR]
+        m_n = i_t * BN + tl.arange(0, BN) < hi
+        b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
 
     # an empty split (past the row's keys) writes nothing; the merge skips it. (tl.where rather than `m_h & (t0 <
     # t1)`: the interpreter turns a vector & scalar of booleans into integers, which it refuses as a mask.)
@@ -232,8 +242,8 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
 
 
 def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, block_size: int,
-                 sms: int) -> tuple[int, int, int, int, bool]:
-    """(BH, BN, num_warps, num_stages, transposed) from static shapes: :data:`LAUNCH_LONG` for 16-bit pools when
+                 sms: int) -> tuple[int, int, int, int]:
+    """(BH, BN, num_warps, num_stages) from static shapes: :data:`LAUNCH_LONG` for 16-bit pools when
     its split count leaves pieces of at least LONG_SPLIT_KEYS keys of a full-length row, else :data:`LAUNCH`."""
     if element_size == 2:
         splits = default_num_splits(batch, heads, max_blocks, block_size, sms, LAUNCH_LONG[0], LONG_PER_SM)
@@ -244,19 +254,18 @@ def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, blo
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
-                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     transposed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.mla_decode.paged_mla_decode` on the GPU (arguments checked there): ``(ctx [B, H, C]
     in q's dtype, lse [B, H] float32)``. q is cast to the pool's dtype for the products (float32 accumulation).
-    block_h / block_n (powers of two >= 16) / num_warps / num_stages / transposed override the launch table's
+    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's
     choice (benchmarks)."""
     B, H, W = q.shape
     C, R = kv_lora_rank, W - kv_lora_rank
     BS = cache.shape[1]
     MB = block_table.shape[1]
-    BH, BN, warps, stages, trans = launch_shape(cache.element_size(), B, H, MB, BS, num_sms(q.device))
+    BH, BN, warps, stages = launch_shape(cache.element_size(), B, H, MB, BS, num_sms(q.device))
     BH, BN = block_h or BH, block_n or BN
-    trans = trans if transposed is None else transposed
     q, seq_lens = q.contiguous(), seq_lens.contiguous()
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
@@ -277,7 +286,7 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     mla_decode_split_kernel[(triton.cdiv(H, BH), NS, B)](
         q, cache, block_table, seq_lens, o_part, lse_part, o, lse,
         scale * LOG2E, block_table.stride(0), H, NS, MB,
-        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single, TRANS=trans,
+        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     if not single:
