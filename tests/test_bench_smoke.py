@@ -16,7 +16,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script,args", [
     ("engine_gpu.py", ["--smoke", "--no-hf", "--out", "{tmp}"]),
     ("fused_small_gpu.py", ["--smoke"]),
-    ("gemv_gpu.py", ["--smoke"]),
     ("mla_decode_gpu.py", ["--smoke"]),
     ("moe_gpu.py", ["--smoke"]),
     ("profile_decode.py", ["--smoke", "--batches", "1,2"]),

@@ -10,7 +10,6 @@ moe_gpu.py, fused_small_gpu.py; BENCHMARKS.md).
 
 from .chunk import chunk_kda
 from .conv import short_conv, short_conv_decode
-from .gemv import gemv
 from .mla_decode import paged_mla_decode
 from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
@@ -19,7 +18,7 @@ from .recurrent import fused_recurrent_kda
 from .rms_norm import add_rms_norm, rms_norm, rms_norm_write
 
 __all__ = [
-    "add_rms_norm", "chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "gemv", "paged_decode_rows",
+    "add_rms_norm", "chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_decode_rows",
     "paged_mla_decode", "rms_norm", "rms_norm_write", "router_logits", "short_conv", "short_conv_decode",
     "sigmoid_topk",
 ]
