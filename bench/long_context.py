@@ -30,18 +30,15 @@ each point's memory and time estimate first; on the project's device machine pre
 if fla's wheel is wanted, it is not needed here). A ``--deadline`` shared by the processes of a call skips the
 points that would end after it (each is written to the JSON as skipped):
 
-    # call 1 (measured 2026-12-02: 106 + 137 + 93 s on a warm machine): the hybrid's decode points (4k..1M, batch 1
-    # and the largest batch) and its prefill 4k..256k (128k and 256k decoded from their real caches), the same for
-    # the all-MLA twin, then the float32 correctness checks
+    # call 1 (measured 2026-12-02: 484 s on a warm machine, 329 of them the 1M prefill): the hybrid's decode points
+    # (4k..1M, batch 1 and the largest batch) and its prefill 4k..1M (128k and up decoded from their real caches)
+    export PYTHONPATH=src; D=$(( $(date +%s) + 580 ))
+    python3 bench/long_context.py --model hybrid --prefill 4096,32768,131072,262144,1048576 --out $OUT --deadline $D
+
+    # call 2 (measured 137 + 93 s): the same for the all-MLA twin (prefill to 256k), then the float32 checks
     export PYTHONPATH=src; D=$(( $(date +%s) + 525 ))
-    python3 bench/long_context.py --model hybrid --prefill 4096,32768,131072,262144 --out $OUT --deadline $D
     python3 bench/long_context.py --model mla --out $OUT --deadline $D
     python3 bench/long_context.py --check --out $OUT --deadline $D
-
-    # call 2 (a call of its own: 256k took 24 s at 3x its FLOP floor, 1M more than the 330 s it was once given):
-    # the hybrid's 1M-token prefill, decoded from there
-    export PYTHONPATH=src
-    python3 bench/long_context.py --model hybrid --contexts none --prefill 1048576 --tag 1m --out $OUT
 
     # then, anywhere (CPU): both calls' JSON files in one folder -> ratio tables, DIR/long_context.{png,md}
     python3 bench/long_context.py --plot DIR
@@ -118,8 +115,10 @@ def args_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="cut the depth to N layers (tests, small GPUs)")
     p.add_argument("--prefill-chunk", type=int, default=16384, help="engine prefill chunk (tokens)")
     p.add_argument("--block-size", type=int, default=16, help="engine MLA block size (tokens)")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
-    p.add_argument("--warmup", type=int, default=3, help="decode steps before timing (the first captures)")
+    # 3 warm-up and 20 timed steps once gave the engine's host share of a batch-1 step as 0.3-0.5 ms beside 0.10 ms
+    # over 200 steps after 30 (same code, 48B shape, 4k): more of both, at a few ms a step
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per point")
+    p.add_argument("--warmup", type=int, default=20, help="decode steps before timing (the first captures)")
     p.add_argument("--check", action="store_true", help="the correctness checks (float32, own small model)")
     p.add_argument("--check-prompt", type=int, default=131072, help="prompt of the engine-vs-forward check")
     p.add_argument("--check-new", type=int, default=8, help="greedy tokens of the engine-vs-forward check")
