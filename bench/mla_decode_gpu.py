@@ -346,10 +346,10 @@ def run_timings(peak: float) -> None:
 
 
 def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
-    # (BH, BN, warps, stages). Offline sm_90 build: [32, 128] at 16 warps 128 registers + 80 B spilled, 193 KB of
-    # shared memory; at 8 warps 255 + 280 B; [16, 128] at 8 warps 225, no spill, 170 KB. (Sweeps of other forms and
-    # tiles: the comment above LAUNCH in kimi_linear.ops.triton.mla_decode.)
-    configs = [(32, 64, 8, 2), (32, 128, 16, 2), (32, 128, 8, 2), (16, 128, 8, 2), (32, 64, 16, 2)]
+    # (BH, BN, warps, stages): both defaults, the candidate and neighbours of it. Offline sm_90 build: [32, 128] at
+    # 16 warps 128 registers + 80 B spilled, 193 KB of shared memory; at 8 warps 255 + 280 B; [16, 128] at 8 warps
+    # 225, no spill, 170 KB. (Sweeps of other forms and tiles: the comment above LAUNCH in ops/triton/mla_decode.py.)
+    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 128, 8, 2), (16, 128, 8, 2)]))
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
