@@ -346,27 +346,32 @@ def run_timings(peak: float) -> None:
 
 
 def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
-    # (BH, BN, warps, stages): both defaults, the candidate and neighbours of it. Offline sm_90 build: [32, 128] at
-    # 16 warps 128 registers + 80 B spilled, 193 KB of shared memory; at 8 warps 255 + 280 B; [16, 128] at 8 warps
-    # 225, no spill, 170 KB. (Sweeps of other forms and tiles: the comment above LAUNCH in ops/triton/mla_decode.py.)
-    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 128, 8, 2), (16, 128, 8, 2)]))
+    # (BH, BN, warps, stages[, registers per thread]): both defaults, the candidate, neighbours of it, and register
+    # caps that let two long-split programs share an SM (a program waits for each key tile, and with one program
+    # per SM nothing else runs meanwhile). Offline sm_90 build: [32, 128] at 16 warps 128 registers + 80 B spilled,
+    # 193 KB of shared memory; [32, 64] at 8 warps 193, no spill, 115 KB (capped at 128: 208 B spilled; at 168: 88
+    # B); [32, 32] at 8 warps capped at 128: 80 B spilled, 76 KB. (Sweeps of other forms and tiles: the comment
+    # above LAUNCH in ops/triton/mla_decode.py.)
+    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 128, 8, 2), (32, 64, 8, 2, 128),
+                                  (32, 64, 8, 2, 168), (32, 32, 8, 2, 128)]))
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
         chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
         base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0],
                                       tri.LONG_PER_SM if chosen == tri.LAUNCH_LONG else tri.PROGRAMS_PER_SM)
-        for BH, BN, nw, ns in configs:
+        for BH, BN, nw, ns, *cap in configs:
             base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH,
                                              tri.LONG_PER_SM if BH >= 32 else tri.PROGRAMS_PER_SM)
             most = max(1, L // 16)
             for splits in sorted({min(most, max(1, s)) for s in (base_bh // 2, base_bh, 2 * base_bh, 4 * base_bh)}):
-                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, splits=splits)
+                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, regs=cap[0] if cap else "",
+                           splits=splits)
                 try:
                     fn = partial(tri.paged_mla_decode, *c.args(), num_splits=splits, block_h=BH, block_n=BN,
-                                 num_warps=nw, num_stages=ns)
+                                 num_warps=nw, num_stages=ns, max_registers=cap[0] if cap else None)
                     ms = bench_ms(graph_of(fn) if S.dev.type == "cuda" else fn)   # no host time in short cases
-                    rows.append(dict(row, default=(BH, BN, nw, ns) == chosen and splits == base, ms=ms,
+                    rows.append(dict(row, default=(BH, BN, nw, ns) == chosen and not cap and splits == base, ms=ms,
                                      GB_s=c.nbytes() / (ms * 1e-3) / 1e9))
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(row, default=False, ms=f"**{type(e).__name__}**", GB_s=""))

@@ -254,12 +254,13 @@ def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, blo
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
-                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.mla_decode.paged_mla_decode` on the GPU (arguments checked there): ``(ctx [B, H, C]
     in q's dtype, lse [B, H] float32)``. q is cast to the pool's dtype for the products (float32 accumulation).
     block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's
-    choice (benchmarks)."""
+    choice, and max_registers caps the split kernel's registers per thread (Triton's ``maxnreg``: more programs
+    per SM, at the price of spills); for benchmarks."""
     B, H, W = q.shape
     C, R = kv_lora_rank, W - kv_lora_rank
     BS = cache.shape[1]
@@ -288,6 +289,7 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         scale * LOG2E, block_table.stride(0), H, NS, MB,
         C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     if not single:
         BV = min(MERGE_BV, BC)
