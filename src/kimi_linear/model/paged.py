@@ -161,8 +161,6 @@ class DecodeGraphs:
         self.sizes = batch_buckets(self.max_batch)
         self.device = self.pools.block_table.device
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._staging: torch.Tensor | None = None    # pinned host buffer of run()'s inputs (CUDA)
-        self._staged: Any = None                     # the event recorded after the last copy out of it
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.sizes if b >= n), None)
@@ -179,22 +177,7 @@ class DecodeGraphs:
         pad = b - n
         host = torch.tensor([*ids, *[0] * pad, *slots, *[self.pools.scratch_slot] * pad, *lens, *[0] * pad],
                             dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = self._pinned(host)
         return self._replay(b, host, n)
-
-    def _pinned(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` in page-locked memory, so the step's input copy is an asynchronous DMA instead of a copy the
-        host waits for. One staging buffer, reused once the device has read the previous step's inputs out of it
-        (an event; normally long done, since the caller read the previous step's results back)."""
-        if self._staging is None:
-            self._staging = torch.empty(3 * self.sizes[-1], dtype=torch.int64, pin_memory=True)
-            self._staged = torch.cuda.Event()
-        else:
-            self._staged.synchronize()
-        staged = self._staging[: host.numel()]
-        staged.copy_(host)
-        return staged
 
     @torch.inference_mode()
     def run_device(self, ids: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
@@ -216,8 +199,6 @@ class DecodeGraphs:
         if step is None:
             return None
         step.inputs.copy_(inputs, non_blocking=inputs.device.type == "cpu" and inputs.is_pinned())
-        if self._staging is not None and inputs.data_ptr() == self._staging.data_ptr():
-            self._staged.record()
         if step.graph is None:
             self.greedy = None
             return self.forward(step.inputs, b)[:n]
