@@ -18,8 +18,6 @@ import torch.nn.functional as F
 from .backend import for_inference, triton_op
 from .norm import upcast
 
-# dtypes the kernels handle (their math is float32); float64 stays on the PyTorch path
-
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     """A ValueError naming the argument whose shape or device does not fit."""
@@ -82,4 +80,3 @@ def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
     D = weight.shape[0]
     entry = torch.cat([rms_norm_torch(x[:, :D], weight, eps), x[:, D:]], dim=-1)
     out.index_copy_(0, rows, entry.to(out.dtype))
-
