@@ -49,7 +49,9 @@ from kimi_linear.ops.triton import mla_decode as tri  # noqa: E402
 
 CTX_BAR, LSE_BAR = 1e-2, 1e-3
 LAUNCH_KEYS = ("block_h", "block_n", "num_warps", "num_stages")
-CANDIDATE = (32, 128, 16, 2)    # a launch (BH, BN, warps, stages) the checks run beside the default: (c) may pick it
+# A launch (BH, BN, warps, stages) the checks run beside the default at every context: the long splits' tiles, which
+# the default picks only for long splits (a new candidate from (c) goes here before it becomes a default).
+CANDIDATE = tri.LAUNCH_LONG
 FAILED: list[str] = []
 RESULTS: dict[str, list[dict]] = {"checks": [], "timings": [], "sweep": []}
 
@@ -346,14 +348,13 @@ def run_timings(peak: float) -> None:
 
 
 def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
-    # (BH, BN, warps, stages[, registers per thread]): both defaults, the candidate, neighbours of it, and register
-    # caps that let two long-split programs share an SM (a program waits for each key tile, and with one program
-    # per SM nothing else runs meanwhile). Offline sm_90 build: [32, 128] at 16 warps 128 registers + 80 B spilled,
-    # 193 KB of shared memory; [32, 64] at 8 warps 193, no spill, 115 KB (capped at 128: 208 B spilled; at 168: 88
-    # B); [32, 32] at 8 warps capped at 128: 80 B spilled, 76 KB. (Sweeps of other forms and tiles: the comment
-    # above LAUNCH in ops/triton/mla_decode.py.)
-    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 128, 8, 2), (32, 64, 8, 2, 128),
-                                  (32, 64, 8, 2, 168), (32, 32, 8, 2, 128)]))
+    # (BH, BN, warps, stages[, registers per thread]): both defaults, the candidate and its neighbours. Since the
+    # block ids are loaded one tile ahead, 3 stages double-buffer the key tiles (offline sm_90 build, local
+    # Triton: [32, 64] at 8 warps 175 registers, 184 KB of shared memory; at 16 warps 106, 184 KB; [32, 32] at 8
+    # warps 171 (2 programs per SM by shared memory at 110 KB, by registers only capped at 128), 4 stages 146 KB;
+    # [16, 32] at 4 warps 4 stages 184 registers, 127 KB).
+    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 64, 16, 3), (32, 32, 8, 3),
+                                  (32, 32, 8, 3, 128), (32, 32, 8, 4), (16, 32, 4, 3), (32, 128, 16, 2)]))
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
@@ -412,7 +413,7 @@ def offline_sm90() -> int:
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         launches = [tri.LAUNCH[torch.empty(0, dtype=dt).element_size()]]
         if dt != torch.float32:
-            launches += [tri.LAUNCH_LONG, CANDIDATE]
+            launches = list(dict.fromkeys([*launches, tri.LAUNCH_LONG, CANDIDATE]))
         for (BH, BN, nw, ns), bs, single in product(launches, (16, 64, 256), (True, False)):
             d = "*" + name[dt]
             sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",

@@ -34,19 +34,19 @@ LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # Tiles (BH heads x BN keys), warps and pipeline stages per pool dtype. BH = 16 is the smallest M of a tensor-core
-# product. Offline sm_90 build (local Triton's ptxas), C = 512, R = 64: 16-bit [16, 32] at 4 warps takes 193-222
-# registers, no spills, 55 KB of shared memory (two programs per SM); float32 (exact products) spills 1.1 KB at 4
-# warps and none at 8 (163-176). H200 sweep (bench/mla_decode_gpu.py --sweep, bf16, H = 32): [32, 64] tiles at 8
-# warps read long splits faster (1 row x 1M: 0.585 vs 0.669 ms; 256 rows x 4k: 0.586 vs 0.673 ms) and short ones
-# slower (1 row x 32k in 128 splits of 256 keys: 0.078 vs 0.046 ms), so they serve splits of >= LONG_SPLIT_KEYS.
-# Every [.., 32-head] tile runs on mma.sync (M = 32 is too small for Hopper's wgmma). H200 sweeps of 2026-12-02 found
-# nothing clearly faster at 1 x 1M (0.585 ms, ~2.1 TB/s): keys as the products' rows (on wgmma) 0.596; heads padded
-# to 64 (wgmma, double-buffered key tiles) 0.626 at best; the next tile's keys loaded into registers before this
-# tile's products 0.757; [32, 128] at 16 warps 0.567 (128 x 4k 0.284 vs 0.305, but 1 x 128k 0.099 vs 0.094): the one
-# candidate left, not yet checked on the GPU.
-LAUNCH = {2: (16, 32, 4, 2), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
-LAUNCH_LONG = (32, 64, 8, 2)                 # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys
-LONG_SPLIT_KEYS = 512   # 1 row x 128k in 132 splits of ~1k keys: 0.099 ms with these tiles, 0.114 with LAUNCH's
+# product; every tile here runs on mma.sync (M <= 32 is too small for Hopper's wgmma). 3 stages keep two key tiles in
+# flight (the block ids are loaded a tile ahead for that: see the split kernel). H200 sweep of 2026-12-02
+# (bench/mla_decode_gpu.py --sweep, bf16, H = 32, graph replays, best split count), ms at 1 x 1M / 1 x 128k /
+# 128 x 4k / 1 x 4k: [32, 64] at 8 warps 0.460 / 0.077 / 0.236 / 0.0176 with 3 stages (2.6 TB/s at 1M) against
+# 0.589 / 0.096 / 0.313 / 0.0172 with 2 (one buffer: each tile waited for after the products); [16, 32] at 4 warps
+# 0.604 / 0.091 / 0.322 / 0.0159 with 3 stages, 0.663 / 0.107 / 0.351 / 0.0165 with 2; slower at every size: [32, 64]
+# at 16 warps, [32, 32] at 8 warps with 3 or 4 stages (with or without a 128-register cap for two programs per SM),
+# [32, 128] at 16 warps with 2. [32, 64] tiles serve splits of >= LONG_SPLIT_KEYS keys, [16, 32] shorter ones.
+# Float32 pools (exact products, for checks) keep 2 stages: their [16, 32] tiles at 3 would take 182 KB of shared
+# memory, one program per SM (offline sm_90 build: 110 KB and 157-176 registers at 2 stages, no spills).
+LAUNCH = {2: (16, 32, 4, 3), 4: (16, 32, 8, 2)}     # pool element size -> (BH, BN, num_warps, num_stages)
+LAUNCH_LONG = (32, 64, 8, 3)                 # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys (184 KB of shared memory)
+LONG_SPLIT_KEYS = 512   # 1 row x 128k in 132 splits of ~1k keys: 0.077 ms with these tiles, 0.091 with LAUNCH's
 LONG_PER_SM = 1         # one [32, 64] program per SM fills it (128 rows x 4k: 1 split, no merge pass; 2 were slower)
 MERGE_BV = 128          # channels per merge program
 MERGE_BS = 64           # most splits merged per step of the merge loop (fewer when there are fewer splits)
@@ -152,8 +152,14 @@ def mla_decode_split_kernel(
     b_l = tl.zeros([BH], dtype=tl.float32)                                                           # [BH]
     b_acc = tl.zeros([BH, BC], dtype=tl.float32)                                                     # [BH, BC]
     p_t = block_table + i_b * stride_t
+    # The next tile's block ids are loaded one iteration ahead and carried: a key load whose addresses come from a
+    # load of the same iteration is one Triton's pipeliner leaves single-buffered (it waits for each tile after
+    # the two products), while addresses carried in from the previous iteration let it keep num_stages - 1 key
+    # tiles in flight (offline sm_90 build: 2 buffers at 3 stages, 1 before whatever the stages).
+    b_blk = tile_blocks(p_t, t0, hi, BS, BN)                                                         # [BN]
     for i_t in range(t0, t1):
-        b_k, b_kr = tile_keys(cache, i_t, tile_blocks(p_t, i_t, hi, BS, BN), hi, BS, BN, C, R, BC, BR)   # [BN, BC|BR]
+        b_k, b_kr = tile_keys(cache, i_t, b_blk, hi, BS, BN, C, R, BC, BR)                           # [BN, BC|BR]
+        b_blk = tile_blocks(p_t, i_t + 1, hi, BS, BN)          # past the split's keys: masked, nothing read
         m_n = i_t * BN + tl.arange(0, BN) < hi
         b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
 
