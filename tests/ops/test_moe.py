@@ -155,6 +155,27 @@ def test_triton_ignores_out_of_range_ids():
     assert rel_err(got, reference(x, w13, w2, tw0, ids)) < BARS[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_one_token_layout(dtype):
+    """One token skips the sort (block j holds pair j): out-of-range ids (one equal to the shared expert's index)
+    add nothing, a repeated id is computed twice, and the residual is added; on a second call the kept slot layout
+    is reused."""
+    from kimi_linear.ops.triton.moe import one_token_slots
+
+    E, S = 6, 1
+    x, w13, w2, tw, ids = make(1, E + S, 4, 32, 24, dtype, "random", seed=31)
+    ids = torch.tensor([[2, E, -3, 2]])
+    residual = torch.randn(1, 32, generator=torch.Generator().manual_seed(32)).to(dtype)
+    tw0 = tw.clone()
+    tw0[0, 1:3] = 0.0
+    want = fused_moe(x.double(), w13.double(), w2.double(), tw0, ids.clamp(0, E - 1), num_shared=S,
+                     residual=residual.double())
+    for _ in range(2):
+        got = triton_moe(x, w13, w2, tw, ids, num_shared=S, residual=residual)
+        assert rel_err(got, want) < BARS[dtype]
+    assert one_token_slots(5, 16, x.device) is one_token_slots(5, 16, x.device)
+
+
 def test_triton_no_tokens():
     x, w13, w2, tw, ids = make(0, 4, 2, 32, 32)
     assert triton_moe(x, w13, w2, tw, ids).shape == (0, 32)

@@ -18,6 +18,12 @@ n's j-th choice for j < k, its shared expert ``E + j - k`` after; :func:`pair_ex
    expert) -> ``y`` [M, W] float32 at the pair's row.
 4. combine: ``out[n] = sum_j y[n * K + j]`` in a fixed order (deterministic, no atomics), cast to x's dtype.
 
+One token (N = 1, a batch-1 decode step) skips step 1: its K pairs go to K different experts (top-k ids are
+distinct; a repeated or out-of-range id is still computed correctly below), so block j simply holds pair j. That
+``slot_pair`` depends on (K, BM) only and is built once per device (:func:`one_token_slots`), and the step is one
+launch shorter. The kernels exit for a block whose pair has no expert (a routed id outside [0, E)), as the sort
+leaves such pairs out; combine adds 0 for them.
+
 Decoding is bound by reading the chosen experts' weights: a block reads its expert's weights once per column
 tile, so BM is chosen at or above the typical number of tokens per expert (:func:`moe_launch`), and the column
 tiles (16 per expert for I = 1024, BN1 = 64) keep every SM streaming even at N = 1.
@@ -163,6 +169,8 @@ def moe_gate_up_kernel(
     if first >= M:                                                      # a block past the real ones
         return
     i_e = pair_expert(ids, first, first >= 0, K_TOP, K_ALL, E).to(tl.int64)
+    if i_e < 0:                                                         # one-token layout: a pair without expert
+        return
     o_m = i_b * BM + tl.arange(0, BM)
     b_pair = tl.load(slot_pair + o_m)                                   # [BM]
     m_m = b_pair < M
@@ -204,6 +212,8 @@ def moe_down_kernel(
     if first >= M:
         return
     i_e = pair_expert(ids, first, first >= 0, K_TOP, K_ALL, E).to(tl.int64)
+    if i_e < 0:
+        return
     o_m = i_b * BM + tl.arange(0, BM)
     b_pair = tl.load(slot_pair + o_m)                                   # [BM]
     m_m = b_pair < M
@@ -251,6 +261,21 @@ def moe_combine_kernel(
     tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
 
 
+_ONE_TOKEN_SLOTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def one_token_slots(K: int, BM: int, device: torch.device) -> torch.Tensor:
+    """``slot_pair`` [K * BM] int32 of one token's K pairs, block j holding pair j (the rest padding, M = K): made
+    once per (K, BM, device) with device operations (so also inside a CUDA-graph capture) and kept."""
+    key = (K, BM, device)
+    slots = _ONE_TOKEN_SLOTS.get(key)
+    if slots is None:
+        slots = torch.full((K * BM,), K, dtype=torch.int32, device=device)
+        slots[::BM] = torch.arange(K, dtype=torch.int32, device=device)
+        _ONE_TOKEN_SLOTS[key] = slots
+    return slots
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
               situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0,
@@ -267,17 +292,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     cfg = launch or moe_launch(N, K, E_all, W, I, x.dtype)
     BM = cfg.BM
-    NB = triton.cdiv(M, BM) + min(E_all, M)
-    P = NB * BM
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1)
     ids = ids if ids.stride(0) == 1 else ids.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    BE = triton.next_power_of_2(E_all + 1)
-    cursor = torch.empty(BE, dtype=torch.int32, device=x.device)
-    slot_pair = torch.empty(P, dtype=torch.int32, device=x.device)
-    moe_align_kernel[(1,)](ids, cursor, slot_pair, M, P, E, E_all, K_TOP=k, K_ALL=K, BM=BM, BE=BE, BS=256,
-                           num_warps=4)
+    if N == 1:
+        slot_pair = one_token_slots(K, BM, x.device)
+        NB = K
+    else:
+        NB = triton.cdiv(M, BM) + min(E_all, M)
+        BE = triton.next_power_of_2(E_all + 1)
+        cursor = torch.empty(BE, dtype=torch.int32, device=x.device)
+        slot_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)
+        moe_align_kernel[(1,)](ids, cursor, slot_pair, M, NB * BM, E, E_all, K_TOP=k, K_ALL=K, BM=BM, BE=BE, BS=256,
+                               num_warps=4)
+    P = NB * BM
 
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     NT1 = triton.cdiv(I, cfg.BN1)
