@@ -132,6 +132,7 @@ def generate(
     step_logits = []
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     eos_t = rules.eos
+    can_finish = eos_t is not None or rules.stop is not None
     logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
     use_graphs = input_ids.is_cuda if cuda_graphs is None else cuda_graphs
     decoder = _PagedDecoder(model, cache, attention_mask, B, T + max_new_tokens) if (
@@ -145,7 +146,8 @@ def generate(
             nxt = sample_next(logits, opts.temperature, opts.top_k, opts.top_p, generator)
         else:
             nxt = logits.argmax(-1)
-        nxt = torch.where(finished, torch.full_like(nxt, opts.pad_token_id), nxt)
+        if can_finish:      # without EOS or stop strings no row ends early: two kernels a token saved
+            nxt = torch.where(finished, torch.full_like(nxt, opts.pad_token_id), nxt)
         seq[:, T + step] = nxt
         n = step + 1
         rules.update(nxt)
@@ -206,11 +208,26 @@ class _PagedDecoder:
                 mla += 1
         self.slots = torch.arange(B, device=device)
         self.lens = (lengths.long() if lengths is not None else torch.full((B,), T, device=device)).to(device)
+        self.held = None            # the graph bucket after the first step: later steps only update its inputs
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B] -> next logits [B, vocab] float32 (valid until the next step)."""
-        logits = self.graphs.run_device(ids.long(), self.slots, self.lens)
+        ids = ids.long()
+        B, held = ids.shape[0], self.held
+        if held is not None:
+            # The same rows one token further: the new ids and every length + 1 written into the graph's own input
+            # buffer ([ids | slots | lens], padding rows untouched), two kernels instead of building it anew.
+            b = held.inputs.shape[0] // 3
+            held.inputs[:B].copy_(ids)
+            held.inputs[2 * b : 2 * b + B] += 1
+            if held.graph is None:                      # no CUDA graph (a CPU): the same step, eagerly
+                return self.graphs.forward(held.inputs, b)[:B]
+            held.graph.replay()
+            return held.logits[:B]
+        logits = self.graphs.run_device(ids, self.slots, self.lens)
         if logits is None:          # capturing failed (logged): the same step, eagerly
-            logits = decode_step(self.model, self.pools, ids.long(), self.slots, self.lens)
-        self.lens += 1
+            logits = decode_step(self.model, self.pools, ids, self.slots, self.lens)
+            self.lens += 1
+        else:
+            self.held = self.graphs.buckets[self.graphs.bucket(B)]
         return logits
