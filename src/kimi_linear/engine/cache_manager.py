@@ -175,7 +175,10 @@ class CacheManager:
         return True
 
     def sync_tables(self, seqs: list[Sequence]) -> None:
-        """Push the block-table entries the device has not seen yet (one host-to-device copy for the batch)."""
+        """Push the block-table entries the device has not seen yet (one host-to-device copy for the batch). On
+        CUDA the copy goes through page-locked memory and does not wait for the device: a pipelined decode step
+        (``EngineConfig.pipeline_decode``) syncs its rows' tables while the previous step still runs, and a
+        pageable copy would wait for that step to end."""
         if self.block_table is None:
             return
         rows, cols, vals = [], [], []
@@ -187,7 +190,10 @@ class CacheManager:
                 vals.extend(new)
                 s.table_synced = len(s.block_table)
         if vals:
-            idx = torch.tensor([rows, cols, vals], dtype=torch.int64).to(self.block_table.device)
+            idx = torch.tensor([rows, cols, vals], dtype=torch.int64)
+            if self.block_table.is_cuda:
+                idx = idx.pin_memory()
+            idx = idx.to(self.block_table.device, non_blocking=True)
             self.block_table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     def table_rows(self, seqs: list[Sequence], upto: int) -> torch.Tensor:
