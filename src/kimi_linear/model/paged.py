@@ -194,11 +194,40 @@ class DecodeGraphs:
             lens = torch.cat([lens, lens.new_zeros(pad)])
         return self._replay(b, torch.cat([ids, slots, lens]), n)
 
-    def _replay(self, b: int, inputs: torch.Tensor, n: int) -> torch.Tensor | None:
+    @torch.inference_mode()
+    def launch(self, ids: Sequence[int] | torch.Tensor, slots: Sequence[int], lens: Sequence[int]
+               ) -> torch.Tensor | None:
+        """One step of n rows for a pipelined caller: like :meth:`run`, but nothing here waits for the device (the
+        host inputs travel through page-locked memory on CUDA, so the step queues behind one still running), and
+        ``ids`` may be a device tensor [n] instead of a host list: the previous step's greedy ids, written into the
+        step's input buffer on the device (a -1 there, a row with NaN logits, is fed as token 0: that row's output
+        is the caller's to discard). Returns the rows' :func:`greedy_ids` [n] on the device (the graph's own, or
+        computed from an eager step's logits; a graph's are overwritten by its next replay), or None when
+        :meth:`run` would."""
+        n = len(slots)
+        b = self.bucket(n)
+        if b is None or self.broken is not None:
+            return None
+        pad = b - n
+        fed = ids if isinstance(ids, torch.Tensor) else None
+        head = [0] * b if fed is not None else [*ids, *[0] * pad]
+        host = torch.tensor([*head, *slots, *[self.pools.scratch_slot] * pad, *lens, *[0] * pad], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        logits = self._replay(b, host, n, fed)
+        if logits is None:
+            return None
+        return self.greedy if self.greedy is not None else greedy_ids(logits)
+
+    def _replay(self, b: int, inputs: torch.Tensor, n: int, fed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Copy ``inputs`` [3b] into bucket b's input buffer (``fed``: the first n ids from the device instead),
+        then replay its graph or run the step eagerly; the logits of the first n rows."""
         step = self.buckets.get(b) or self._build(b)
         if step is None:
             return None
         step.inputs.copy_(inputs, non_blocking=inputs.device.type == "cpu" and inputs.is_pinned())
+        if fed is not None:
+            torch.clamp(fed, min=0, out=step.inputs[:n])
         if step.graph is None:
             self.greedy = None
             return self.forward(step.inputs, b)[:n]
