@@ -55,6 +55,14 @@ class EngineConfig:
         per batch bucket (1, 2, 4, ..., ``max_num_seqs``) whatever the context length. ``None``: on for a CUDA
         model, off otherwise. ``True`` on CPU runs the same fixed-shape step eagerly (what the tests check;
         slower than the normal CPU path).
+    pipeline_decode: pipelined greedy decoding on the fixed-shape step: while every running sequence decodes
+        greedily (no log-probs) and nothing else is pending (no prompt chunk, no request that could be admitted, no
+        prompt to score), each :meth:`~.engine.LLMEngine.step` launches the next decode step, fed on the device with
+        the greedy ids of the step in flight, before it reads that step's tokens back and does their bookkeeping:
+        the engine's host work overlaps the GPU's. Same tokens and outputs as without it (the module docstring of
+        :mod:`~.engine` says how and what differs: a step may run one more forward after an EOS). ``None``: on
+        when ``cuda_graphs`` is (also on CPU, where the fixed-shape step runs eagerly: what the tests check);
+        ``True`` needs ``cuda_graphs``.
     """
 
     max_num_seqs: int = 16
@@ -68,6 +76,7 @@ class EngineConfig:
     prefix_caching: bool = True
     num_snapshots: int | None = None
     cuda_graphs: bool | None = None
+    pipeline_decode: bool | None = None
 
     def resolved(self, device_type: str) -> EngineConfig:
         """A validated copy with the device-dependent defaults (``None`` fields) filled in."""
@@ -81,6 +90,8 @@ class EngineConfig:
             cfg.max_num_scored_tokens = 8192 if gpu else 2048
         if cfg.cuda_graphs is None:
             cfg.cuda_graphs = gpu
+        if cfg.pipeline_decode is None:
+            cfg.pipeline_decode = cfg.cuda_graphs
         return cfg.validate()
 
     def validate(self) -> EngineConfig:
@@ -99,6 +110,10 @@ class EngineConfig:
             raise ValueError(f"`num_snapshots` must be >= 0, got {self.num_snapshots}")
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"`cuda_graphs` must be True, False or None (auto), got {self.cuda_graphs!r}")
+        if self.pipeline_decode not in (None, True, False):
+            raise ValueError(f"`pipeline_decode` must be True, False or None (auto), got {self.pipeline_decode!r}")
+        if self.pipeline_decode and self.cuda_graphs is False:
+            raise ValueError("`pipeline_decode` needs the fixed-shape decode step (`cuda_graphs`)")
         if self.memory is not None and self.memory <= 0:
             raise ValueError(f"`memory` must be > 0 bytes, got {self.memory}")
         return self

@@ -18,6 +18,45 @@ Requests that ask for their prompt's log-probabilities (``SamplingParams.prompt_
 packed forward (up to ``max_num_scored_tokens``) outside the pools, samples each request's first token from the
 logits after its prompt, and then either finishes it (``max_tokens`` 0 or 1, a stop) or hands it to the scheduler,
 which prefills prompt and first token into the pools and decodes the rest as usual.
+
+Pipelined greedy decoding (``EngineConfig.pipeline_decode``, on with the fixed-shape step). A serial step leaves
+the GPU idle during all of its host work: plan, sync the block table, build the inputs, copy them, replay, read the
+greedy ids back (``.tolist()`` waits for the GPU), then per row append, check stops, detokenize, emit. On an H200
+that is ~0.1 ms of a 3 ms batch-1 step. Like vLLM's "async scheduling", a pipelined round instead
+
+1. launches decode step N: its blocks reserved, its block-table entries and slot / length inputs copied through
+   page-locked memory (nothing waits for the device), its input ids written on the device from step N-1's greedy
+   ids (:meth:`DecodeGraphs.launch <kimi_linear.model.paged.DecodeGraphs.launch>`), ``num_computed`` advanced; its
+   greedy ids then start their copy to a page-locked host buffer, with a CUDA event recorded after it
+   (:class:`~.pipeline.InFlight`; on a CPU the eager step computes them with ``greedy_ids`` and the copy is plain);
+2. then waits for step N-1's event alone (not for step N) and emits its tokens as :meth:`_after_forward` would.
+
+So the host work of a round runs while the GPU computes step N. Only the common case is pipelined: decode-only
+rounds on the fixed-shape step where every row is greedy without log-probs and nothing else is pending (no prompt
+chunk, no prompt to score, no waiting request that could be admitted: a free slot and admission not held). Any
+other round first *drains* (reads back and emits the step in flight), then runs serially exactly as before; the
+first pipelined round after a serial one takes its input ids from the host and emits nothing yet.
+
+What the design has to get right, and how:
+
+- A row whose step N-1 token ends it *by length* (``max_tokens``, the context) is known in advance: step N leaves
+  it out, so no step runs for a sequence past its length (and when a request waits, the round drains instead, so
+  that the freed slot is filled in the same step as serially). A row that step N-1 ends by EOS, a stop id, a stop
+  string or an error cannot be known at launch: it rides in step N, whose token for it is discarded when N is read
+  back (``discarded_tokens``); its slot and blocks are released at once, as :meth:`_finish` does, which is safe
+  because all device work is stream-ordered (any later user of that slot or block runs after step N), and step N
+  writes only its own, unregistered, current block. :meth:`abort` of a row in flight works the same way. A row of
+  NaN logits (greedy id -1) is fed to step N as token 0 and fails as it would serially.
+- Blocks are taken without preemption or eviction: a round whose rows need more blocks than are plainly free
+  drains and lets the serial planner preempt. A round when all the rows of the step just launched end by length
+  reads it back at once, and a round after an abort of every row in flight drains it, so a step is never left in
+  flight with nothing to emit; :meth:`has_work` is true while one is in flight, so ``while has_work(): step()``
+  emits everything.
+- Outputs are token for token those of the serial engine, with the same outputs per request (tokens, texts,
+  finish reasons, counts): a row's math does not depend on when its tokens are read back. What may differ: after an
+  EOS / stop the finished row rides in one more forward (so ``decode_forwards`` can be one higher, and a request
+  waiting for that row's slot starts one step later), and on a GPU a batch that holds such a row can land in a
+  bigger padded bucket. ``pipelined_steps`` counts the steps launched from the step before on the device.
 """
 
 from __future__ import annotations
@@ -36,6 +75,7 @@ from kimi_linear.model.paged import greedy_ids
 from .cache_manager import CacheManager
 from .config import EngineConfig
 from .model_runner import ModelRunner, PromptScores
+from .pipeline import InFlight
 from .sampling import SamplingError, SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler, StepPlan
 from .sequence import RequestOutput, Sequence, Status
@@ -65,7 +105,8 @@ class LLMEngine:
         self._counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefix_cache_hit_tokens=0,
                              prefix_cache_queries=0, prefix_cache_hits=0, requests_finished=0,
                              requests_aborted=0, steps=0, decode_forwards=0, prefill_forwards=0,
-                             scored_tokens=0, score_forwards=0)
+                             scored_tokens=0, score_forwards=0, pipelined_steps=0, discarded_tokens=0)
+        self._inflight: InFlight | None = None          # the pipelined decode step not read back yet
         self._recent: deque[tuple[float, int]] = deque()        # (time, tokens) for tokens/s
 
     # The parts' state under the names the engine has always shown (tests, benchmarks, the server's metrics).
@@ -151,10 +192,13 @@ class LLMEngine:
             return False
         self._counters["requests_aborted"] += 1
         self._finish(seq, "abort", emit=True)
+        if self._inflight is not None and not self._inflight.live_rows():
+            self._drain()               # nothing of the step in flight is wanted any more: do not leave it behind
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.scoring)
+        """Requests to run, or a decode step in flight (its rows are running anyway, unless all were aborted)."""
+        return bool(self.waiting or self.running or self.scoring or self._inflight is not None)
 
     def unfinished(self) -> list[Sequence]:
         """Every request not finished yet: running, waiting for a slot, waiting to be scored."""
@@ -225,11 +269,19 @@ class LLMEngine:
         if logits.device.type != "cpu" and (greedy is None or not p.is_greedy() or p.logprobs is not None):
             logits = logits.cpu()        # the request's generator lives on the CPU; log-probs read many values
         tok = greedy if greedy is not None and p.is_greedy() else sample(logits, p, seq.generator)
-        seq.output_ids.append(tok)
-        seq.pending.append(tok)
+        entry = None
         if p.logprobs is not None:
             lp, alts = token_logprobs(logits, tok, p.logprobs)
-            seq.pending_lp.append((tok, lp, alts))
+            entry = (tok, lp, alts)
+        self._emit_token(seq, tok, entry)
+
+    def _emit_token(self, seq: Sequence, tok: int, lp: tuple | None = None) -> None:
+        """Append a new token (``lp``: its log-prob entry, when the request asks for them), check stop
+        conditions, emit."""
+        seq.output_ids.append(tok)
+        seq.pending.append(tok)
+        if lp is not None:
+            seq.pending_lp.append(lp)
         self._counters["generation_tokens"] += 1
         self._recent.append((time.monotonic(), 1))
         reason = None
@@ -283,8 +335,22 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------------------------- step
     def step(self) -> None:
         """One scheduling round: plan (admit, reserve), one batched decode forward, the prompt chunks; then sample
-        and emit for every sequence that caught up with its tokens."""
+        and emit for every sequence that caught up with its tokens. A pipelined round (see the module docstring)
+        launches the next decode step and then emits the tokens of the one before; any other round first reads
+        back and emits the step in flight."""
         self._counters["steps"] += 1
+        if not self._pipelined_step():
+            self._drain()
+            self._serial_step()
+        if not self.running and self.waiting:
+            self._count_admitted(self.scheduler.admit())    # the step may have finished every running sequence
+            if not self.running:
+                # Nothing runs and the head could not be admitted with every block free: the pool is too small
+                # for it (check_request rules this out); fail it rather than spin.
+                self._finish(self.waiting[0], "error", emit=True)
+
+    def _serial_step(self) -> None:
+        """Score prompts, plan, run the step's forwards and emit their tokens, all before returning."""
         if self.scoring:
             self._score_step()
         plan = self.scheduler.plan()
@@ -293,12 +359,6 @@ class LLMEngine:
             self._mixed_step(plan)
         else:
             self._separate_step(plan)
-        if not self.running and self.waiting:
-            self._count_admitted(self.scheduler.admit())    # the step may have finished every running sequence
-            if not self.running:
-                # Nothing runs and the head could not be admitted with every block free: the pool is too small
-                # for it (check_request rules this out); fail it rather than spin.
-                self._finish(self.waiting[0], "error", emit=True)
 
     def _separate_step(self, plan: StepPlan) -> None:
         """Decode rows in one forward (the CUDA-graph step when there is one), then the prompt chunks batched by
@@ -331,6 +391,95 @@ class LLMEngine:
             if r >= len(plan.decode):
                 self.cache.register_blocks(s, snapshot=True)
             self._after_forward_isolated(s, logits[r], greedy[r])
+
+    # -------------------------------------------------------------------------------------- pipelined decode
+    def _pipelined_step(self) -> bool:
+        """Launch the next greedy decode step (fed on the device by the step in flight, if any), then emit the step
+        in flight's tokens while the new one runs. False when this round cannot be pipelined: nothing was done."""
+        rows = self._pipeline_rows()
+        if not rows:
+            return False
+        prev = self._inflight
+        for s in rows:
+            grown = self.cache.grow(s, s.num_computed + 1)          # free blocks were counted: no preemption
+            assert grown
+        greedy = self.runner.launch_decode(rows, prev.ids_for(rows) if prev is not None else None)
+        if greedy is None:
+            return False                                            # no fixed-shape step after all: run serially
+        self._counters["decode_forwards"] += 1
+        self._counters["pipelined_steps"] += prev is not None
+        self._advance(rows, 1)
+        self._inflight = InFlight.launched(rows, greedy)
+        if prev is not None:
+            self._emit_step(prev)
+        if not self._continuing(self._inflight):
+            self._drain()               # no row can go on into a next pipelined step: read this one back now
+        return True
+
+    def _pipeline_rows(self) -> list[Sequence] | None:
+        """The rows of the next pipelined decode step, or None when the next round must run serially: pipelining
+        is off or the fixed-shape step is gone, a prompt waits to be scored or could be admitted (or will be, when a
+        row of the step in flight ends by length), a running sequence is not decoding (a prompt chunk) or not greedy
+        or asks for log-probs, or a row would need a block that is not plainly free (taking it could preempt, or
+        evict a cached prefix block)."""
+        graphs = self.runner.graphs
+        if not self.cfg.pipeline_decode or graphs is None or graphs.broken is not None:
+            return None
+        if self.scoring or self._may_admit():
+            return None
+        prev = self._inflight
+        if prev is None:
+            rows = list(self.running)
+            if any(s.num_tokens() - s.num_computed != 1 for s in rows):
+                return None
+        else:
+            # Every running sequence must be a live row of the step in flight (nothing was admitted since).
+            live = prev.live_rows()
+            if len(live) != len(self.running):
+                return None
+            rows = self._continuing(prev)
+            if self.waiting and len(rows) < len(live):
+                return None             # a row ends by length and frees its slot: admit now, as a serial step would
+        if not all(s.params.is_greedy() and s.params.logprobs is None for s in rows):
+            return None
+        bs = self.cfg.block_size
+        need = sum(-(-(s.num_computed + 1) // bs) > len(s.block_table) for s in rows)
+        return rows if need <= len(self.blocks.free_plain) else None
+
+    def _may_admit(self) -> bool:
+        """Whether the scheduler might admit a waiting request now (a free slot, admission not held)."""
+        return bool(self.waiting and self.slots.free and not (self.running and self.scheduler.hold_admission))
+
+    def _continuing(self, step: InFlight) -> list[Sequence]:
+        """The live rows of ``step`` that go on after it: all but those whose token from it will end them by
+        length (known in advance; an EOS or stop is not, and costs that row one discarded token)."""
+        out = []
+        for s in step.live_rows():
+            n = len(s.output_ids) + 1
+            if n < s.max_tokens and len(s.prompt_ids) + n < self.max_context:
+                out.append(s)
+        return out
+
+    def _drain(self) -> None:
+        """Read back and emit the step in flight, if any."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._emit_step(step)
+
+    def _emit_step(self, step: InFlight) -> None:
+        """Emit each live row's token of a pipelined step (what :meth:`_after_forward` does for a greedy row);
+        rows that finished after its launch drop theirs (their slot and blocks are already released: any later
+        use of them is queued on the device after this step)."""
+        for r, (s, tok) in enumerate(zip(step.rows, step.tokens())):
+            if not step.is_live(r):
+                self._counters["discarded_tokens"] += 1
+                continue
+            try:
+                if tok < 0:
+                    raise SamplingError("the model produced NaN logits")
+                self._emit_token(s, tok)
+            except Exception as e:
+                self.fail_request(s, e)
 
     # ---------------------------------------------------------------------------------------------- scoring
     def _score_step(self) -> None:

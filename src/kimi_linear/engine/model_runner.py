@@ -73,6 +73,19 @@ class ModelRunner:
                 return logits, self.graphs.greedy
         return self.forward(seqs, 1), None
 
+    def launch_decode(self, seqs: list[Sequence], fed: torch.Tensor | None) -> torch.Tensor | None:
+        """Launch one token of every sequence on the fixed-shape step without waiting for the device (a pipelined
+        engine step): ``fed``, the rows' input ids on the device (the greedy ids of the step before), else their
+        next tokens from the host. Returns their greedy ids [B] on the device, or None when the fixed-shape step
+        cannot run (then nothing ran). Caches updated (not ``num_computed``)."""
+        assert self.graphs is not None, "a pipelined decode step needs the fixed-shape step"
+        self.cache.sync_tables(seqs)
+        ids = fed if fed is not None else [s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs]
+        greedy = self.graphs.launch(ids, [s.slot for s in seqs], [s.num_computed for s in seqs])
+        if greedy is not None:
+            self.graph_forwards += 1
+        return greedy
+
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], T: int) -> torch.Tensor:
         """Run tokens [num_computed, num_computed + T) of each sequence through the model with caches gathered
