@@ -33,9 +33,11 @@ that is ~0.1 ms of a 3 ms batch-1 step. Like vLLM's "async scheduling", a pipeli
 
 So the host work of a round runs while the GPU computes step N. Only the common case is pipelined: decode-only
 rounds on the fixed-shape step where every row is greedy without log-probs and nothing else is pending (no prompt
-chunk, no prompt to score, no waiting request that could be admitted: a free slot and admission not held). Any
-other round first *drains* (reads back and emits the step in flight), then runs serially exactly as before; the
-first pipelined round after a serial one takes its input ids from the host and emits nothing yet.
+chunk, no prompt to score, no waiting request that could be admitted: a free slot and admission not held). A
+sampled row draws from its own generator on the host and a log-prob row reads its logits there, so their next
+input exists only after a read-back: they stay serial. Any other round first *drains* (reads back and emits the
+step in flight), then runs serially exactly as before; the first pipelined round after a serial one takes its
+input ids from the host and emits nothing yet.
 
 What the design has to get right, and how:
 
@@ -48,15 +50,19 @@ What the design has to get right, and how:
   writes only its own, unregistered, current block. :meth:`abort` of a row in flight works the same way. A row of
   NaN logits (greedy id -1) is fed to step N as token 0 and fails as it would serially.
 - Blocks are taken without preemption or eviction: a round whose rows need more blocks than are plainly free
-  drains and lets the serial planner preempt. A round when all the rows of the step just launched end by length
-  reads it back at once, and a round after an abort of every row in flight drains it, so a step is never left in
-  flight with nothing to emit; :meth:`has_work` is true while one is in flight, so ``while has_work(): step()``
-  emits everything.
+  drains and lets the serial planner preempt. A round reads the step it launched back at once when none of its
+  rows can go on (all end by length, or all ended while the step before was emitted), and :meth:`abort` of the
+  last live row in flight drains it, so a step is not left in flight with nothing to emit; :meth:`has_work` is
+  true while one is, so ``while has_work(): step()`` emits everything.
 - Outputs are token for token those of the serial engine, with the same outputs per request (tokens, texts,
   finish reasons, counts): a row's math does not depend on when its tokens are read back. What may differ: after an
   EOS / stop the finished row rides in one more forward (so ``decode_forwards`` can be one higher, and a request
   waiting for that row's slot starts one step later), and on a GPU a batch that holds such a row can land in a
-  bigger padded bucket. ``pipelined_steps`` counts the steps launched from the step before on the device.
+  bigger padded bucket (the same tokens wherever the step's kernels give a row the same result in any batch, as
+  they do on CPU; a kernel that does not could move a near-tie). Counters:
+  ``pipelined_steps`` counts the decode steps fed on the device by the step before, ``discarded_tokens`` the
+  tokens dropped for rows that had ended; ``decode_forwards`` and ``graph_decode_forwards`` count every forward
+  that ran, discarded rows included.
 """
 
 from __future__ import annotations
@@ -197,7 +203,7 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        """Requests to run, or a decode step in flight (its rows are running anyway, unless all were aborted)."""
+        """Requests to run, or a pipelined decode step in flight (so ``while has_work(): step()`` reads it back)."""
         return bool(self.waiting or self.running or self.scoring or self._inflight is not None)
 
     def unfinished(self) -> list[Sequence]:
@@ -412,8 +418,10 @@ class LLMEngine:
         self._inflight = InFlight.launched(rows, greedy)
         if prev is not None:
             self._emit_step(prev)
-        if not self._continuing(self._inflight):
-            self._drain()               # no row can go on into a next pipelined step: read this one back now
+        # No row can go on into a next pipelined step: read this one back now (an output callback may already
+        # have, by aborting every row in flight).
+        if self._inflight is not None and not self._continuing(self._inflight):
+            self._drain()
         return True
 
     def _pipeline_rows(self) -> list[Sequence] | None:

@@ -4,13 +4,16 @@ Prompts to score (``SamplingParams.prompt_logprobs``) run without the pools: pac
 returns every position's log-probabilities (:mod:`kimi_linear.model.scoring`).
 
 Decode rows go through the fixed-shape step (:mod:`kimi_linear.model.paged`, CUDA graphs per batch bucket) when
-the engine has one, else through the eager forward. Prompt chunks run eagerly: chunks of equal length from
-several sequences share one batched forward ([b, T]; each row continues from its own slot). When the rows have
-equal cached lengths (one long prompt, prompts admitted together) the MLA layers read and write the paged pool
-in place (:class:`~kimi_linear.layers.PagedPrefillView`: no copy of the history, no mask, memory independent of
-the context), as do eager one-token rows (:class:`~kimi_linear.layers.PagedLatentView`); otherwise each row's
-latents are gathered left-padded to the longest history and masked (exact, but a [b, T, longest] mask: rows with
-different long histories run as separate forwards instead).
+the engine has one, else through the eager forward; a pipelined engine launches them without waiting for the
+device (:meth:`ModelRunner.launch_decode`, input ids fed from the previous step's greedy ids on the device).
+
+Prompt chunks run eagerly: chunks of equal length from several sequences share one batched forward ([b, T]; each
+row continues from its own slot). When the rows have equal cached lengths (one long prompt, prompts admitted
+together) the MLA layers read and write the paged pool in place (:class:`~kimi_linear.layers.PagedPrefillView`: no
+copy of the history, no mask, memory independent of the context), as do eager one-token rows
+(:class:`~kimi_linear.layers.PagedLatentView`); otherwise each row's latents are gathered left-padded to the longest
+history and masked (exact, but a [b, T, longest] mask: rows with different long histories run as separate forwards
+instead).
 """
 
 from __future__ import annotations
