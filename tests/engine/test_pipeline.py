@@ -347,3 +347,51 @@ def test_run_batch_drains_the_pipeline(model):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert engine.counters["pipelined_steps"] > 0 and not engine.has_work()
+
+
+def test_an_output_callback_that_aborts_every_row(model):
+    """An output callback that aborts every request while the pipelined step's tokens are emitted (the step the
+    round just launched loses all its rows): the engine reads that step back and is left with nothing."""
+    engine = make_engine(model, True, max_num_seqs=4)
+    outs: Outputs = {}
+
+    def sink(o: RequestOutput) -> None:
+        outs[o.request_id].append(o)
+        n = sum(len(x.token_ids) for x in outs["a"])
+        if o.request_id == "a" and n == 6 and engine._inflight is not None:
+            for k in ("a", "b"):
+                engine.abort(k)
+
+    for k, p in (("a", [1, 2, 3]), ("b", [4, 5, 6, 7])):
+        outs[k] = []
+        engine.add_request(k, p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), sink)
+    while engine.has_work():
+        engine.step()
+    assert [v[-1].finish_reason for v in outs.values()] == ["abort", "abort"]
+    assert sum(len(o.token_ids) for o in outs["a"]) == 6 and engine._inflight is None
+    assert engine.counters["pipelined_steps"] > 0 and engine.stats()["kda_slots_used"] == 0
+
+
+def test_background_loop(model):
+    """The server's engine thread (``EngineLoop``) drives a pipelined engine to the serial engine's tokens."""
+    import asyncio
+
+    from kimi_linear.engine.background import EngineLoop
+
+    reqs = greedy_requests(11, 4, 20, 20, ignore_eos=True)
+    want = tokens(run(make_engine(model, False, max_num_seqs=4), reqs))
+    engine = make_engine(model, True, max_num_seqs=4)
+    loop = EngineLoop(engine)
+    keys = list(reqs)
+
+    async def main() -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {k: [] for k in keys}
+        async for i, o in loop.generate_many([(k, p, sp) for k, (p, sp) in reqs.items()]):
+            got[keys[i]].extend(o.token_ids)
+        return got
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        loop.close()
+    assert got == want and engine.counters["pipelined_steps"] > 0 and not engine.has_work()
