@@ -175,7 +175,8 @@ def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, ste
                            SamplingParams(max_tokens=prompt_len + warmup + steps + 2, temperature=0,
                                           ignore_eos=True))
     t = time.perf_counter()
-    while len(engine.running) < batch or any(s.num_tokens() - s.num_computed != 1 for s in engine.running):
+    # (a row whose prompt is done has 1 uncomputed token, or 0 while its next token is in a pipelined step)
+    while len(engine.running) < batch or any(s.num_tokens() - s.num_computed > 1 for s in engine.running):
         engine.step()
     sync()
     prefill_s = time.perf_counter() - t
@@ -188,13 +189,15 @@ def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, ste
         t = time.perf_counter()
         engine.step()
         lat.append(time.perf_counter() - t)
+    sync()
     wall = time.perf_counter() - t0
     assert len(engine.running) == batch, "a request finished inside the timed window"
     for s in list(engine.running):
         engine.abort(s.request_id)
     out = dict(batch=batch, prompt=prompt_len, tok_per_s=batch * steps / wall, step_ms=1e3 * wall / steps,
                step_ms_p50=1e3 * statistics.median(lat), prefill_s=prefill_s,
-               graph_steps=engine.counters["graph_decode_forwards"])
+               graph_steps=engine.counters["graph_decode_forwards"],
+               pipelined_steps=engine.counters.get("pipelined_steps", 0))
     del engine
     return out
 

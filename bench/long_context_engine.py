@@ -52,19 +52,23 @@ def memory_row(engine: LLMEngine, model: Any, context: int) -> dict[str, Any]:
 
 
 def _timed_steps(engine: LLMEngine, warmup: int, steps: int) -> dict[str, float]:
-    """``warmup`` engine steps (the first captures the bucket's graph), then ``steps`` timed ones (each ends in the
-    engine's read-back of the sampled tokens, so each is synchronous); then the same bucket's graph replayed
-    alone ``steps`` times (the device's share, without the engine's host work)."""
+    """``warmup`` engine steps (the first captures the bucket's graph), then ``steps`` timed ones: TPOT is their
+    wall time over ``steps`` (with the engine's pipelined decode a step returns once the step before it is read
+    back, while its own still runs, so one call's time is not its step's; the wall time of many is); then the same
+    bucket's graph replayed alone ``steps`` times (the device's share, without the engine's host work)."""
     for _ in range(warmup):
         engine.step()
     sync()
     lat = []
+    t0 = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         lat.append(time.perf_counter() - t)
-    out = dict(step_ms=1e3 * statistics.median(lat), step_ms_mean=1e3 * statistics.fmean(lat),
-               step_ms_min=1e3 * min(lat), steps=steps)
+    sync()
+    wall = time.perf_counter() - t0
+    out = dict(step_ms=1e3 * wall / steps, step_ms_median=1e3 * statistics.median(lat),
+               step_ms_min=1e3 * min(lat), steps=steps, pipelined_steps=engine.counters.get("pipelined_steps", 0))
     graphs = engine.runner.graphs
     # a failed capture decodes eagerly from then on (far slower): the row says so
     out.update(graph_steps=engine.counters["graph_decode_forwards"],
