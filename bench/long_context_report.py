@@ -173,7 +173,9 @@ def plot(folder: str) -> str:
             ax.plot(x, [r["step_ms"] for r in rows], "o-", color=colors[model], label=f"{names[model]}: engine")
             ax.plot(x, [r["floor_ms"] for r in rows], "--", color=colors[model], alpha=0.7,
                     label=f"{names[model]}: floor (bytes / copy bandwidth)")
-        real = sorted(merged[model]["prefill"], key=lambda r: r["context"])
+        # (a prefill row kept from an earlier run may leave its decode out: None)
+        real = sorted((r for r in merged[model]["prefill"] if r.get("decode_step_ms") is not None),
+                      key=lambda r: r["context"])
         if real:
             ax.plot([r["context"] for r in real], [r["decode_step_ms"] for r in real], "s", mfc="none", ms=9,
                     color=colors[model], label=f"{names[model]}: after a real prefill")
