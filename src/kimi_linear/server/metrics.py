@@ -23,6 +23,8 @@ COUNTERS = {
     "requests_finished": "requests finished", "requests_aborted": "requests aborted (client gone)",
     "steps": "engine steps", "decode_forwards": "batched decode forwards", "prefill_forwards": "prefill forwards",
     "graph_decode_forwards": "batched decode forwards replayed as CUDA graphs (fixed-shape step)",
+    "pipelined_steps": "decode steps launched before the previous step's tokens were read back (fed on the device)",
+    "discarded_tokens": "tokens computed for requests that had already ended when their pipelined step ran",
     "scored_tokens": "prompt tokens scored for their log-probs (echo with logprobs)",
     "score_forwards": "prompt-scoring forwards",
 }
