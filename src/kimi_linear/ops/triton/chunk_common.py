@@ -10,8 +10,10 @@ sub-block totals ``tot_M`` (``gP`` at the last valid row of sub-block M) as a *s
     G_r - G_j = (tot_J - gP_j) + sum_{J < M < I} tot_M       from row j to r, the row before sub-block I
 
 so with a gate of -1000 every factor that should vanish underflows to an exact 0 and nothing overflows. The only
-differences of sums are ``tot_J - gP_j`` and, inside a diagonal 16x16 block, ``gP_i - gP_j``: sums over at most
+differences of sums are ``tot_J - gP_j`` and, inside a diagonal 16x16 block, ``gP_i - gP_r`` and ``gP_r - gP_j``
+with r a reference row of the same sub-block between j and i (:func:`level_factor`; both <= 0): sums over at most
 15 steps, never over the whole chunk, which keeps float32 rounding of large cumulative gates out of the factors.
+(Where every sub-block's sum is above -SAFE_EXP, the diagonal blocks take ``exp(gP_i) exp(-gP_j)`` instead.)
 """
 
 from __future__ import annotations
@@ -375,6 +377,42 @@ def later_factor(b_P, b_t1, b_t2, S, BT: tl.constexpr, BC: tl.constexpr):
     b_btw = tl.where((S < 1) & (s > 1), b_t1[None, :], 0.0) + tl.where((S < 2) & (s > 2), b_t2[None, :], 0.0)
     m_r = s > S
     return tl.where(m_r, tl.exp(tl.where(m_r, b_P + b_btw, 0.0)), 0.0)
+
+
+@triton.jit
+def level_factor(gP, b_P, bos, r0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, S: tl.constexpr,
+                 BR: tl.constexpr):
+    """One level of the hierarchical factorisation of a diagonal 16x16 block (chunk_wy.diagonal_levels,
+    chunk_bwd.diagonal_grads), for the rows r0 .. r0 + BR (r0 at a sub-block start, BR a multiple of 16) at
+    channels o_k: with the rows cut into blocks of S (S = 16, 8, 4 or 2, so never across a sub-block) and ``r``
+    the last row of the lower half of row i's block, ``exp(gP_i - gP_r)`` on the rows of upper halves and
+    ``exp(gP_r - gP_i)`` on the rows of lower halves, [BR, len(o_k)] float32. gP is non-increasing inside a
+    sub-block, so both exponents are <= 0 and every factor is <= 1; for a row i of an upper half and a row j of
+    the lower half of the same block (j <= r < i), ``exp(gP_i - gP_j)`` is the product of their two factors.
+
+    ``b_P``: gP of the same rows and channels (zero past T_n); ``gP_r`` is a second load of the gP rows with row
+    index r (L1 hits). Rows past T_n get the factor 1 (their q and k are zero), and r is clamped to the last valid
+    row (the addresses stay inside the sequence; a valid row j <= r keeps a clamped r >= j in its sub-block, so its
+    exponent stays <= 0)."""
+    o_r = tl.arange(0, BR)
+    r = (o_r // S) * S + (S // 2 - 1)                                       # [BR] the reference row of each row
+    r = tl.minimum(r, (T_n - 1 - r0).to(tl.int32))
+    p_x = gP + ((bos + r0) * HV + i_hv) * K
+    if K // o_k.shape[0] * o_k.shape[0] == K:                               # the width divides K: no column mask
+        b_Pr = tl.load(p_x + (r * (HV * K))[:, None] + o_k[None, :])
+    else:
+        b_Pr = tl.load(p_x + (r * (HV * K))[:, None] + o_k[None, :], mask=(o_k < K)[None, :], other=0.0)
+    b_x = tl.where(((o_r % S) >= S // 2)[:, None], b_P - b_Pr, b_Pr - b_P)
+    return fast_exp(tl.where(((r0 + o_r) < T_n)[:, None], b_x, 0.0))
+
+
+@triton.jit
+def level_pairs(o_i, o_j, S: tl.constexpr):
+    """The pairs (i, j) that :func:`level_factor`'s level S covers, [len(o_i), len(o_j)]: the same S-row block,
+    i in its upper half and j in its lower half (local row indices, blocks aligned to multiples of S). The levels
+    S = 16, 8, 4, 2 cover every pair j < i of a 16x16 diagonal block exactly once."""
+    return (((o_i // S)[:, None] == (o_j // S)[None, :]) & ((o_i % S) >= S // 2)[:, None]
+            & ((o_j % S) < S // 2)[None, :])
 
 
 @triton.jit

@@ -38,6 +38,7 @@ from .chunk_common import (
     gate_terms,
     gate_tiles,
     grid_coords,
+    level_factor,
     load_beta,
     load_norms,
     load_rows,
@@ -64,39 +65,83 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
 
 
 @triton.jit
-def diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
-                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      USE_QK_L2NORM: tl.constexpr):
-    """The diagonal 16x16 blocks of (Aqk, Akk) at channels o_k with every pair's ``exp(gP_i - gP_j)`` formed
-    explicitly (strong decay: a sub-block's gate sum below -SAFE_EXP). Column j of every block at once: [BT, BT]
-    each, zero off the diagonal blocks and above the diagonal."""
+def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
+    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`chunk_scores` may take
+    that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
+    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
+    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
+
+
+@triton.jit
+def diagonal_level(
+    b_aq, b_ak, b_d, q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+    PREC: tl.constexpr, S: tl.constexpr,
+):
+    """Level S of :func:`diagonal_levels` over every strong channel step (not :func:`safe_step`), accumulated into
+    (b_aq, b_ak), which are then kept on the same S-row blocks only; b_d: Aqk's diagonal (summed at level 2)."""
     o_t = tl.arange(0, BT)
-    s = o_t // BC
+    m_up = ((o_t % S) >= S // 2)[:, None]                                 # [BT, 1] rows of upper halves
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC):
+            b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                         # [BT, BKS]
+            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKS]
+            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKS]
+            if S == 2:
+                b_d += tl.sum(b_q * b_k, 1)
+            b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, S, BT)    # [BT, BKS], all <= 1
+            b_kf = b_k * b_f
+            b_ct = tl.trans(tf32_operand(tl.where(m_up, 0.0, b_kf), PREC))     # [BKS, BT] lower-half columns
+            b_aq = mm_rounded(tf32_operand(tl.where(m_up, b_q * b_f, 0.0), PREC), b_ct, b_aq, PREC)
+            b_ak = mm_rounded(tf32_operand(tl.where(m_up, b_kf, 0.0), PREC), b_ct, b_ak, PREC)
+    m_l = (o_t // S)[:, None] == (o_t // S)[None, :]                      # [BT, BT] the same S-row block
+    return tl.where(m_l, b_aq, 0.0), tl.where(m_l, b_ak, 0.0), b_d
+
+
+@triton.jit
+def diagonal_levels(
+    q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
+    decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
+    above the diagonal (and on it for Akk).
+
+    Every pair j < i of a block is covered by exactly one level S = 16, 8, 4, 2 (the same S-row block, i in its
+    upper half, j in its lower half) and factored through the last row r of that lower half,
+    ``exp(gP_i - gP_j) = exp(gP_i - gP_r) exp(gP_r - gP_j)`` with j <= r < i, so both factors are <= 1
+    (chunk_common.level_factor): nothing overflows at any gate, and a factor underflows only where the exact one
+    does. Each level is one [BT, BKS] x [BKS, BT] tensor-core product per matrix and channel step, rows
+    ``q_i f_i`` (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves (f: the level's
+    factors). That product also pairs rows and columns of different S-row blocks; those entries are finite (every
+    factor <= 1), and the mask that keeps the same S-row blocks after the level's last channel step drops them.
+    The levels run from the finest (S = 2) up, accumulating into the same two tiles: a pair of a finer level lies
+    inside one half of every coarser block, where the coarser products are exactly zero, and inside every coarser
+    mask. Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32. The tiles start :func:`chunk_scores`'s
+    accumulation, so no further [BT, BT] tile is live beside its two."""
+    o_t = tl.arange(0, BT)
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in range(0, BC):
-        c_j = s * BC + j                                                   # [BT] column j of each row's block
-        m_j = (t0 + c_j) < T_n
-        p_j = ((bos + t0 + c_j) * HV + i_hv) * K                           # [BT] int64 row offsets
-        b_pj = tl.load(gP + p_j[:, None] + o_k[None, :], mask=m_j[:, None] & (o_k < K)[None, :], other=0.0)
-        b_kj = tl.load(k + ((bos + t0 + c_j) * H + i_h)[:, None] * K + o_k[None, :],
-                       mask=m_j[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)   # [BT, BKS]
-        if USE_QK_L2NORM:
-            b_kj = b_kj * tl.load(rk + (bos + t0 + c_j) * H + i_h, mask=m_j, other=0.0)[:, None]
-        m_i = (((o_t % BC) >= j) & (t0 + o_t < T_n))[:, None]              # valid row i at or below column j
-        # exp only where the exponent is <= 0 (i >= j); elsewhere it could overflow.
-        b_f = tl.where(m_i, tl.exp(tl.where(m_i, b_P - b_pj, 0.0)), 0.0) * b_kj   # [BT, BKS]
-        m_c = o_t[None, :] == c_j[:, None]                                 # [BT, BT] column j of the row's block
-        b_aq += tl.where(m_c, tl.sum(b_q * b_f, 1)[:, None], 0.0)
-        b_ak += tl.where(m_c, tl.sum(b_k * b_f, 1)[:, None], 0.0)
-    return b_aq, b_ak
+    b_d = tl.zeros([BT], dtype=tl.float32)
+    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv,
+                                     H, HV, K, BT, BC, BKS, PREC, 2)
+    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv,
+                                     H, HV, K, BT, BC, BKS, PREC, 4)
+    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv,
+                                     H, HV, K, BT, BC, BKS, PREC, 8)
+    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv,
+                                     H, HV, K, BT, BC, BKS, PREC, 16)
+    return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
 @triton.jit
 def chunk_scores(
     q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
 ):
     """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
 
@@ -104,14 +149,16 @@ def chunk_scores(
 
     * half: rows of sub-blocks 2-3 against columns of 0-1, through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``;
     * quarter: blocks (1, 0) and (3, 2), through the row between them: ``exp(gP_i) exp(tot_J - gP_j)``;
-    * diagonal blocks: ``exp(gP_i) exp(-gP_j)``, when every sub-block's gate sum is above -SAFE_EXP (else
-      :func:`diagonal_pairwise`).
+    * diagonal blocks: ``exp(gP_i) exp(-gP_j)`` (one product), when every sub-block's gate sum is above
+      -SAFE_EXP, so that ``exp(-gP_j)`` fits float32.
 
-    ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between
-    sub-blocks are per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows,
-    the diagonal product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products. Returns the
-    [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks the rest), as
-    the other two paths do."""
+    The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`) are
+    :func:`diagonal_levels`' four products per matrix through reference rows, computed first (when the chunk has
+    any such step) as the accumulators' starting values. ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile
+    exponentials of the first two: the links between sub-blocks are per-channel vectors. Each product spans the
+    whole chunk (operands are zero outside their rows, the diagonal product is masked), so all are
+    [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below
+    the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
     s = o_t // BC                                                          # [BT] sub-block of each row
@@ -120,6 +167,8 @@ def chunk_scores(
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)   # [BT] x2
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
+        b_aq, b_ak = diagonal_levels(q, k, gP, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS], [BKS] x4
@@ -153,11 +202,6 @@ def chunk_scores(
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
             b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
             b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
-        else:
-            b_dq, b_dk = diagonal_pairwise(q, k, gP, rk, b_q, b_k, b_P, bos, t0, T_n, i_h, i_hv, o_k,
-                                           H, HV, K, BT, BC, USE_QK_L2NORM)
-            b_aq += b_dq
-            b_ak += b_dk
     return b_aq, b_ak
 
 
@@ -280,7 +324,8 @@ def chunk_kda_fwd_scores_kernel(
             b_aq, b_ak = halves_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
         else:
-            b_aq, b_ak = chunk_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC)
+            b_aq, b_ak = chunk_scores(q, k, gP, rq, rk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, L2, PREC,
+                                      BK)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, NORMS)
 
 
