@@ -16,8 +16,9 @@ The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-
   dAqk = scale do vn^T (lower triangle with the diagonal).
 - :func:`chunk_kda_bwd_intra_kernel` (chunk and 16-row sub-block, key block, value head): the score matrices'
   gradients into q_hat, k_hat and G, with the same overflow-free factorisations as the forward scores (every
-  earlier column in one product, every later row in one product); the separable chunks whole, in four products,
-  by a launch of their own.
+  earlier column in one product, every later row in one product, the diagonal block by ``exp(gP_i) exp(-gP_j)``
+  or, under strong decay, by the forward's four levels of reference rows: :func:`diagonal_grads`); the separable
+  chunks whole, in four products, by a launch of their own.
 - :func:`chunk_kda_bwd_gate_kernel` (chunk, key block, value head): dg = the reverse cumulative sum of dG inside the
   chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
 - :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
@@ -39,16 +40,20 @@ from .chunk_common import (
     fast_exp,
     grid_coords,
     later_factor,
+    level_factor,
+    level_pairs,
     load_beta,
     load_norms,
     load_row_scalars,
     load_rows,
     load_state,
     mm,
+    mm_rounded,
     separable_exponent,
     store_rows,
     sub_block_total,
     sub_block_totals,
+    tf32_operand,
 )
 from .transforms import softplus
 
@@ -176,38 +181,69 @@ def chunk_kda_bwd_wy_kernel(
 
 
 @triton.jit
-def diagonal_grads(b_dAq, b_dAk, b_q, b_k, b_P, r0, T_n, BC: tl.constexpr, PREC: tl.constexpr):
-    """Gradients of the diagonal block's scores: (dq, dk from rows, dk from columns) [BC, BK] each, for q, k
-    (normalised), gP of one sub-block and the block's dAqk, dAkk, both strictly lower (Aqk's diagonal is the
-    caller's, see :func:`separable_grads`)."""
+def diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0, T_n, i_hv, o_k,
+                         HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, S: tl.constexpr):
+    """Level S of :func:`diagonal_grads`' strong path added to (dq, dk from rows, dk from columns, dG): with f the
+    level's factors (chunk_common.level_factor, all <= 1), dA kept on the level's pairs (chunk_common.level_pairs;
+    masked before the products, so nothing outside the level is ever formed) and the operands ``Q' = q f``,
+    ``K' = k f`` (rounded once for PREC, :func:`tf32_operand`),
+
+        dq += f (dAq K')      dk_rows += f (dAk K')      dk_cols += f (dAq^T Q' + dAk^T K')
+        dG += Q' (dAq K') + K' (dAk K') - K' (dAq^T Q' + dAk^T K')
+
+    four [BC, BC] x [BC, BK] tensor-core products. dG is formed from the rounded operands themselves, so each
+    pair's row share and column share are the same real number and cancel up to float32 accumulation; ``q dq`` from
+    tf32 products would leave each pair's operand rounding behind (bf16 strong decay, interpreter: dt_bias's
+    gradient 1.5e-2 off the float64 reference, against 3e-3 with exact products)."""
+    o_r = tl.arange(0, BC)
+    b_f = level_factor(gP, b_P, bos, r0, T_n, i_hv, HV, K, o_k, S, BC)            # [BC, BK]
+    m_l = level_pairs(o_r, o_r, S)                                                # [BC, BC]
+    b_aq = tf32_operand(tl.where(m_l, b_dAq, 0.0), PREC)
+    b_ak = tf32_operand(tl.where(m_l, b_dAk, 0.0), PREC)
+    b_kf = tf32_operand(b_k * b_f, PREC)
+    b_qf = tf32_operand(b_q * b_f, PREC)
+    b_rq = mm_rounded(b_aq, b_kf, tl.zeros_like(b_kf), PREC)                     # [BC, BK] dAq K'
+    b_rk = mm_rounded(b_ak, b_kf, tl.zeros_like(b_kf), PREC)                     # dAk K'
+    b_c = mm_rounded(tl.trans(b_ak), b_kf, mm_rounded(tl.trans(b_aq), b_qf, tl.zeros_like(b_kf), PREC), PREC)
+    b_dq += b_f * b_rq
+    b_dkr += b_f * b_rk
+    b_dkc += b_f * b_c
+    b_dG += b_qf * b_rq + b_kf * (b_rk - b_c)
+    return b_dq, b_dkr, b_dkc, b_dG
+
+
+@triton.jit
+def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0, T_n, i_hv, o_k,
+                   HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """The diagonal block's score gradients added to the sub-block's (dq, dk from rows, dk from columns), [BC, BK]
+    each, for q, k (normalised), gP of one sub-block (rows r0 .. r0 + BC, channels o_k) and the block's dAqk,
+    dAkk, both strictly lower (Aqk's diagonal is the caller's, see :func:`separable_grads`); returned with the
+    sub-block's gate gradient ``dG = q dq + k (dk_rows - dk_columns)``.
+
+    When every |gP| < SAFE_EXP, ``exp(gP_i - gP_j) = exp(gP_i) exp(-gP_j)`` (both factors fit float32): four
+    products. Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows) every pair
+    j < i is factored through a reference row r, j <= r < i, ``exp(gP_i - gP_r) exp(gP_r - gP_j)``, both factors
+    <= 1, by the four levels S = 16, 8, 4, 2 of the forward (chunk_wy.diagonal_levels): four products per level
+    (:func:`diagonal_level_grads`, which also adds the block's share of dG), exact at any gate."""
     if tl.max(tl.abs(b_P)) < SAFE_EXP:
         b_e = tl.exp(b_P)
         b_ie = tl.exp(-b_P)
         b_kie = b_k * b_ie
-        b_dq = b_e * mm(b_dAq, b_kie, PREC)
-        b_dkr = b_e * mm(b_dAk, b_kie, PREC)
-        b_dkc = b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
+        b_dq += b_e * mm(b_dAq, b_kie, PREC)
+        b_dkr += b_e * mm(b_dAk, b_kie, PREC)
+        b_dkc += b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
+        b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)
     else:
-        # Strong decay: exp(P_i - P_j) formed per column j, only where j <= i on valid rows (exponent <= 0);
-        # one [BC, BK] block at a time keeps this rare path's registers as small as the fast one's.
-        o_r = tl.arange(0, BC)
-        m_v = (r0 + o_r) < T_n
-        b_dq = tl.zeros_like(b_q)
-        b_dkr = tl.zeros_like(b_q)
-        b_dkc = tl.zeros_like(b_q)
-        for j in range(0, BC):
-            m_j = (o_r == j)[:, None]
-            b_kj = tl.sum(tl.where(m_j, b_k, 0.0), 0)                         # [BK] row j of k
-            b_Pj = tl.sum(tl.where(m_j, b_P, 0.0), 0)                         # [BK]
-            m_i = ((o_r >= j) & m_v)[:, None]                                 # rows i >= j
-            b_f = tl.where(m_i, tl.exp(tl.where(m_i, b_P - b_Pj[None, :], 0.0)), 0.0)   # [BC, BK]
-            b_aq = tl.sum(tl.where(o_r[None, :] == j, b_dAq, 0.0), 1)         # [BC] column j of dAqk
-            b_ak = tl.sum(tl.where(o_r[None, :] == j, b_dAk, 0.0), 1)         # [BC] column j of dAkk
-            b_dq += b_aq[:, None] * b_kj[None, :] * b_f
-            b_dkr += b_ak[:, None] * b_kj[None, :] * b_f
-            b_col = tl.sum((b_aq[:, None] * b_q + b_ak[:, None] * b_k) * b_f, 0)   # [BK] gradient of k_j
-            b_dkc += tl.where(m_j, b_col[None, :], 0.0)
-    return b_dq, b_dkr, b_dkc
+        b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                            # the earlier and later blocks' share
+        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 16)
+        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 8)
+        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 4)
+        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 2)
+    return b_dq, b_dkr, b_dkc, b_dG
 
 
 @triton.jit
@@ -286,14 +322,11 @@ def sub_block_grads(
     b_dAk = load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, S * BC + o_j, BC)              # [BC, BC]
     m_d = o_j[:, None] == o_j[None, :]
     b_d = tl.sum(tl.where(m_d, b_dAq, 0.0), 1)                                        # [BC] Aqk's diagonal
-    b_ddq, b_ddkr, b_ddkc = diagonal_grads(tl.where(m_d, 0.0, b_dAq), b_dAk, b_qS, b_kS, b_PS, rS, T_n, BC, PREC)
-    b_dq += b_ddq
-    b_dkr += b_ddkr
-    b_dkc += b_ddkc
-
-    # d/dG_i of exp(G_i - G_j) is the term itself: rows gain q dq + k dk_rows, columns lose k dk_columns.
-    # (Aqk's diagonal, factor 1, adds to dq and dk in float32 and nothing to dG: its row and column shares cancel.)
-    b_dG = b_qS * b_dq + b_kS * (b_dkr - b_dkc)
+    # d/dG_i of exp(G_i - G_j) is the term itself: rows gain q dq + k dk_rows, columns lose k dk_columns
+    # (diagonal_grads). (Aqk's diagonal, factor 1, adds to dq and dk in float32 and nothing to dG: its row and
+    # column shares cancel.)
+    b_dq, b_dkr, b_dkc, b_dG = diagonal_grads(b_dq, b_dkr, b_dkc, tl.where(m_d, 0.0, b_dAq), b_dAk, b_qS, b_kS,
+                                              b_PS, gP, bos, rS, T_n, i_hv, o_k, HV, K, BC, PREC)
     b_dq += b_d[:, None] * b_kS + load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     b_dk = b_dkr + b_dkc + b_d[:, None] * b_qS + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     b_dG += load_rows(dg_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
