@@ -17,7 +17,14 @@ from kimi_linear.ops.triton.chunk import chunk_kda_fwd  # noqa: E402
 from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig  # noqa: E402
 
 from .kda_cases import make_inputs, rel_err  # noqa: E402
-from .triton_cases import poison_empty, reference  # noqa: E402, F401  (autouse fixture)
+from .triton_cases import (  # noqa: E402, F401  (poison_empty: autouse fixture)
+    force_levels,
+    mixed_gates,
+    poison_empty,
+    reference,
+    spy_calls,
+    strong_gate,
+)
 
 NO_OPTIONS = KernelOptions()
 
@@ -58,9 +65,9 @@ def test_in_kernel_options(gate, store):
 @pytest.mark.parametrize("T", [1, 64, 130])
 def test_extreme_gates_and_lengths(T):
     """Per-step gates of -1000 (every 7th step, and the first) and exactly 0 (every 5th from the 3rd): finite, and
-    float32-accurate. Bar 1e-4: inside a 16-row diagonal block the pairwise factor exp(gP_i - gP_j) is a difference
-    of two sums that can hold -1000s (about 1e-4 absolute rounding in the exponent); elsewhere exponents are plain
-    sums."""
+    float32-accurate. Bar 1e-4: inside a 16-row diagonal block the factors exp(gP_i - gP_r), exp(gP_r - gP_j) (r
+    a reference row, chunk_wy.diagonal_levels) are differences of two sums that can hold -1000s (about 1e-4
+    absolute rounding in the exponent); elsewhere exponents are plain sums."""
     x = make_inputs(B=1, T=T, H=1, K=32, V=16, strong_decay=True, seed=33)
     x["g"][:, 0] = -1000.0
     o, S = run(x)
@@ -264,3 +271,53 @@ def test_wide_keys_forward_and_final_state():
     o, S = run(x)
     o_ref, S_ref = reference(x, KernelOptions())
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["softplus A_log~log U(1,16)", "mixed channels", "varlen mixed", "-1000 padding"])
+def test_strong_decay(case, dtype, monkeypatch):
+    """The strong-decay regime of issue 20 against the float64 reference: every 16-row sub-block's gate sum far
+    below -SAFE_EXP, so ``exp(-gP_j)`` overflows float32 and the diagonal blocks must take the reference-row levels
+    (chunk_wy.diagonal_levels, counted: the test fails if they are not taken). The in-kernel softplus gate with
+    A_log = log U(1, 16) (about -6.7 a step) and l2norm over GVA; mild and strong channels (and -1000 steps) in the
+    same chunks (test cases: triton_cases.mixed_gates), also packed with lengths that are not multiples of 64
+    and an empty sequence; -1000 on every 7th step and 0 on every 5th. Lengths 130 and 200, initial states."""
+    from kimi_linear.ops.triton import chunk_wy
+
+    calls = spy_calls(monkeypatch, chunk_wy, "diagonal_levels")
+    cu, opts, bar = None, NO_OPTIONS, tol(dtype)
+    if case.startswith("softplus"):
+        x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=60)
+        opts, _ = strong_gate(2, 32, seed=61)
+    elif case == "mixed channels":
+        x = mixed_gates(make_inputs(B=1, T=130, H=1, K=64, V=16, dtype=dtype, seed=62), seed=63)
+    elif case == "varlen mixed":
+        cu = torch.tensor([0, 70, 70, 200])
+        x = mixed_gates(make_inputs(B=1, T=200, H=1, K=64, V=16, N=3, dtype=dtype, seed=64), seed=65)
+    else:
+        x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, strong_decay=True, dtype=dtype, seed=66)
+        bar = 1e-4 if dtype == torch.float32 else bar            # see test_extreme_gates_and_lengths
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"],
+                         True, opts, cu)
+    o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
+    assert calls, "the strong path was not taken"
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
+    """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the sub-block
+    scheme, mild channels included (chunk_common.SAFE_EXP forced to -1): there every pair of a diagonal block has a
+    factor that matters, so each level's pairs and masks are checked, not only the pairs next to the diagonal that
+    strong decay leaves. Must match the reference as closely as the fast product does."""
+    force_levels(monkeypatch)
+    x = mixed_gates(make_inputs(B=1, T=130, H=1, HV=2, K=64, V=16, dtype=dtype, seed=67), seed=68)
+    g = x["g"].double()
+    g[:, :, 1] = -3.0 + 0.1 * torch.randn(1, 130, 64, generator=torch.Generator().manual_seed(69),
+                                          dtype=torch.float64)    # head 1: every sub-block falls by about 48
+    x["g"] = g.to(dtype)
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True,
+                         NO_OPTIONS, None)
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)

@@ -47,3 +47,55 @@ def reference_grads(x, opts: KernelOptions, weights, cu_seqlens=None, params=Non
     w_o, w_S = weights
     ((o * w_o).sum() + (S * w_S).sum()).backward()
     return {n: (None if t is None else t.grad) for n, t in leaves.items()}
+
+
+def strong_gate(HV, K, seed=0):
+    """The in-kernel softplus gate in the strong-decay regime of issue 20: ``A_log = log U(1, 16)`` and
+    ``dt_bias ~ 0.1 N(0, 1)``, so that raw gates ~ N(0, 1) decay by about 6.7 a step on average (a 16-row
+    sub-block by about 107, past SAFE_EXP = 60: the diagonal blocks take the reference-row levels). Returns the
+    kernel options (l2norm, beta sigmoid) and the parameters as a dict for the gradient checks."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(A_log=torch.empty(HV).uniform_(1, 16, generator=gen).log(),
+                  dt_bias=0.1 * torch.randn(HV * K, generator=gen))
+    return KernelOptions(True, True, True, False, params["A_log"], params["dt_bias"], None), params
+
+
+def mixed_gates(x, seed=0):
+    """Log decays (not raw) mixing mild and strong channels inside each chunk: channels below K / 2 fall by about 0.3
+    a step, channels from K / 2 on by about 7 (every 16-row sub-block by about 112); every 9th step is -1000 on
+    the strong channels (padding-like). With K = 64 and 32 channels a step, the scores and their gradients see a
+    channel step on the fast diagonal product beside one on the reference-row levels in the same chunk."""
+    g = x["g"].double()
+    K = g.shape[-1]
+    noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    g[..., : K // 2] = -0.3 + 0.05 * noise[..., : K // 2]
+    g[..., K // 2:] = (-7.0 + noise[..., K // 2:]).clamp_max(0.0)
+    g[:, ::9, ..., K // 2:] = -1000.0
+    x["g"] = g.to(x["g"].dtype)
+    return x
+
+
+def spy_calls(monkeypatch, module, name):
+    """Count the calls of the device function ``module.name`` (under the interpreter a kernel looks its callees up
+    in its module's globals when it runs, so a wrapper there sees every call)."""
+    calls = []
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def force_levels(monkeypatch):
+    """Send every diagonal block of the sub-block scheme (forward and score gradients) through the reference-row
+    levels, mild gates included: the fast ``exp(gP_i) exp(-gP_j)`` path is taken only above -SAFE_EXP (forward)
+    and below SAFE_EXP (gradients), and neither holds for -1."""
+    import triton.language as tl
+
+    from kimi_linear.ops.triton import chunk_bwd, chunk_wy
+
+    monkeypatch.setattr(chunk_wy, "SAFE_EXP", tl.constexpr(-1.0))
+    monkeypatch.setattr(chunk_bwd, "SAFE_EXP", tl.constexpr(-1.0))
