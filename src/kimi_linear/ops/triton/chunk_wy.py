@@ -9,9 +9,11 @@ HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) nee
 (:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
 sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
-diagonal blocks use ``exp(gP_i) exp(-gP_j)`` when every sub-block's gate sum is above -SAFE_EXP, else every
-pair's ``exp(gP_i - gP_j)`` explicitly (strong decay, e.g. padding gates of -1000). With l2norm the paths run on
-raw q and k and :func:`finish_scores` applies (and stores) the row factors.
+diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
+is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
+a reference row r between j and i, both factors <= 1, in four products per matrix by levels of 16, 8, 4 and 2
+rows (:func:`diagonal_levels`). With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and
+stores) the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
 blocks (forward substitution on the diagonal blocks, block products below), stores the inverse ``Tm``
@@ -121,7 +123,8 @@ def diagonal_levels(
     The levels run from the finest (S = 2) up, accumulating into the same two tiles: a pair of a finer level lies
     inside one half of every coarser block, where the coarser products are exactly zero, and inside every coarser
     mask. Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32. The tiles start :func:`chunk_scores`'s
-    accumulation, so no further [BT, BT] tile is live beside its two."""
+    accumulation, so no further [BT, BT] tile is live beside its two (each level reads the strong steps' q, k and
+    gP tiles again: L1 / L2 hits)."""
     o_t = tl.arange(0, BT)
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
