@@ -419,7 +419,7 @@ def offline_sm90() -> int:
             sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",
                        o=d, lse="*fp32", qk_scale="fp32", stride_t="i32", H="i32", NS="i32", MB="i32")
             const = dict(C=512, R=64, BS=bs, BH=BH, BN=BN, BC=512, BR=64,
-                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single)
+                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, PDL=False)
             try:
                 res = build(tri.mla_decode_split_kernel, sig, const, nw, ns)
             except Exception as e:  # noqa: BLE001
@@ -429,7 +429,7 @@ def offline_sm90() -> int:
                              build=res))
         sig = dict(o_part="*fp32", lse_part="*fp32", seq_lens="*i32", o="*" + name[dt], lse="*fp32", H="i32",
                    NS="i32", MB="i32")
-        const = dict(C=512, BS=16, BN=BN, BV=tri.MERGE_BV, BSP=tri.MERGE_BS)
+        const = dict(C=512, BS=16, BN=BN, BV=tri.MERGE_BV, BSP=tri.MERGE_BS, PDL=False)
         rows.append(dict(kernel="merge", dtype=name[dt], block=16, tiles=f"{tri.MERGE_BS}x{tri.MERGE_BV}", warps=4,
                          stages=3, build=build(tri.mla_decode_merge_kernel, sig, const, 4, 3)))
     table("offline sm_90 build (C = 512, R = 64)", rows)

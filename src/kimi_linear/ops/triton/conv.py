@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import cast
+from .pdl import pdl_args, pdl_entry
 
 
 @triton.jit
@@ -118,10 +119,12 @@ def short_conv_decode_kernel(
     y,                                # out: [B, C] contiguous, x's dtype
     C, sx, sp,
     W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token of each row: ``full = [pool[index[b]]; x_b]`` (W rows), ``y_b = silu(sum_j w_j full_j)``, and
     pool row ``index[b]`` becomes ``full[1:]``. A program owns (row, channel block): it reads the whole window,
     then (after a barrier, because the shifted rows live in other threads) writes it back shifted by one."""
+    pdl_entry(PDL)
     i_b, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = (o_c < C)[None, :]
@@ -215,6 +218,6 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
     BC = min(BC_DECODE, triton.next_power_of_2(C))
     short_conv_decode_kernel[(B, triton.cdiv(C, BC))](
         x=x2, w=weight, pool=conv_pool, index=index.contiguous(), y=y, C=C, sx=x2.stride(0), sp=conv_pool.stride(0),
-        W=W, WP=triton.next_power_of_2(W), BC=BC, num_warps=4,
+        W=W, WP=triton.next_power_of_2(W), BC=BC, num_warps=4, **pdl_args(x.device),
     )
     return y.view(x.shape)

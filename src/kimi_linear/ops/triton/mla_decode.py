@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import cast, mm
+from .pdl import pdl_args, pdl_entry
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -130,7 +131,9 @@ def mla_decode_split_kernel(
     C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
     PREC: tl.constexpr, SINGLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     # head blocks fastest: the programs that read the same key tiles start side by side and share them in L2
     i_hb, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     W: tl.constexpr = C + R
@@ -185,10 +188,12 @@ def mla_decode_merge_kernel(
     o, lse,                           # out: [B, H, C] in q's dtype, [B, H] float32 (natural log)
     H, NS, MB,
     C: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, BSP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One pass over the row's used splits, BSP at a time, with the same online rescaling as the split kernel:
     each step loads its lse and partial outputs together, so at batch 1 a merge is one or two round trips to
     memory."""
+    pdl_entry(PDL)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     L, NT, TPS = split_range(seq_lens, i_b, NS, MB, BS, BN)
     n_used = tl.cdiv(NT, TPS)         # the splits the split kernel wrote; the others hold whatever memory held
@@ -294,7 +299,7 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         q, cache, block_table, seq_lens, o_part, lse_part, o, lse,
         scale * LOG2E, block_table.stride(0), H, NS, MB,
         C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
-        num_warps=num_warps or warps, num_stages=num_stages or stages,
+        num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl_args(q.device),
         **({"maxnreg": max_registers} if max_registers else {}),
     )
     if not single:
@@ -302,5 +307,6 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         mla_decode_merge_kernel[(triton.cdiv(C, BV), H, B)](
             o_part, lse_part, seq_lens, o, lse, H, NS, MB,
             C=C, BS=BS, BN=BN, BV=BV, BSP=min(MERGE_BS, triton.next_power_of_2(NS)), num_warps=4,
+            **pdl_args(q.device),
         )
     return o, lse

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import INTERPRET, cast
+from .pdl import pdl_args, pdl_entry
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,12 @@ def moe_align_kernel(
     slot_pair,              # out: int32 [P], the pair in each slot, M for padding
     M, P, E, E_ALL,
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program (module docstring, step 1). Routed ids outside [0, E) are left out (counted in bin BE - 1,
     which no expert uses: BE > E_ALL). The barrier orders the cursor's plain stores before the atomics of other
     threads."""
+    pdl_entry(PDL)
     o_e = tl.arange(0, BE)
     b_count = tl.zeros([BE], dtype=tl.int32)
     for i0 in range(0, M, BS):
@@ -162,7 +165,9 @@ def moe_gate_up_kernel(
     M, W, I, E, NT, s_xn, s_we, s_wn, s_wk, beta, linear_beta,
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SITU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     i_p = tl.program_id(0)
     i_b, i_n = i_p // NT, i_p % NT
     first = tl.load(slot_pair + i_b * BM)
@@ -205,7 +210,9 @@ def moe_down_kernel(
     M, W, I, E, NT, s_we, s_wn, s_wk,
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     i_p = tl.program_id(0)
     i_b, i_n = i_p // NT, i_p % NT
     first = tl.load(slot_pair + i_b * BM)
@@ -242,9 +249,11 @@ def moe_combine_kernel(
     out,                     # out: [N, W] in x's dtype
     W, E, s_rn,
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr, RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[n] = residual[n] + sum_j y[n K + j]`` over j in order (shared experts last), float32 until the one
     rounding; a routed pair whose id is outside [0, E) (never computed) adds 0."""
+    pdl_entry(PDL)
     i_t, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
     m_w = o_w < W
@@ -305,7 +314,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         cursor = torch.empty(BE, dtype=torch.int32, device=x.device)
         slot_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)
         moe_align_kernel[(1,)](ids, cursor, slot_pair, M, NB * BM, E, E_all, K_TOP=k, K_ALL=K, BM=BM, BE=BE, BS=256,
-                               num_warps=4)
+                               num_warps=4, **pdl_args(x.device))
     P = NB * BM
 
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
@@ -314,19 +323,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         x, w13, slot_pair, ids, h, M, W, I, E, NT1, x.stride(0), *w13.stride(), float(situ_beta),
         float(situ_linear_beta), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN1, BK=cfg.BK1, EVEN_K=W % cfg.BK1 == 0,
         EVEN_N=I % cfg.BN1 == 0, SITU=activation == "situ", num_warps=cfg.warps1, num_stages=cfg.stages1,
+        **pdl_args(x.device),
     )
     y = torch.empty(M, W, dtype=torch.float32, device=x.device)
     NT2 = triton.cdiv(W, cfg.BN2)
     moe_down_kernel[(NB * NT2,)](
         h, w2, slot_pair, ids, weights, y, M, W, I, E, NT2, *w2.stride(), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN2,
         BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, num_warps=cfg.warps2, num_stages=cfg.stages2,
+        **pdl_args(x.device),
     )
     BW = min(1024, triton.next_power_of_2(W))
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     moe_combine_kernel[(N, triton.cdiv(W, BW))](
         y, ids, out if residual is None else residual, out, W, E, 0 if residual is None else residual.stride(0),
-        K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4,
+        K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4, **pdl_args(x.device),
     )
     return out
 
@@ -337,9 +348,11 @@ def sigmoid_topk_kernel(
     weights, ids,            # out: [N, K_TOP] float32, [N, K_TOP] int64
     E, scale,
     K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token per program: the K_TOP largest ``sigmoid(logit) + bias`` in decreasing order (first index on a
     tie), by K_TOP passes of max / argmin-index / knock-out over the row held in registers."""
+    pdl_entry(PDL)
     i_n = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BE)
     m_e = o_e < E
@@ -374,7 +387,7 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: 
     if N:
         sigmoid_topk_kernel[(N,)](logits, bias.float().contiguous(), weights, ids, E, float(scale), K_TOP=k,
                                   BK=triton.next_power_of_2(k), BE=triton.next_power_of_2(E), RENORM=renormalize,
-                                  num_warps=1 if E <= 256 else 4)
+                                  num_warps=1 if E <= 256 else 4, **pdl_args(logits.device))
     return weights, ids
 
 
@@ -384,11 +397,13 @@ def router_logits_kernel(
     logits,                  # out: [N, E] float32
     N, E, D, s_xn, s_we,
     BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BN rows x BE experts per program: float32 products (exact float32 FMA arithmetic, no tensor cores: the
     router's top-k is sensitive to the last bits) accumulated elementwise over D's steps of BK, then reduced once:
     the steps' loads have no reduction between them and overlap (a GEMV this small waits on load latency). BN is
     fixed by the wrapper, never by N, so a row's sums do not depend on the rows beside it."""
+    pdl_entry(PDL)
     i_n, i_e = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     o_e = i_e * BE + tl.arange(0, BE)
@@ -422,5 +437,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, ROUTER_BN), triton.cdiv(E, ROUTER_BE))
     router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), BN=ROUTER_BN,
-                               BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4)
+                               BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device))
     return logits

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_entry
+
 
 @triton.jit
 def row_offsets(rows, stride, H: tl.constexpr, D: tl.constexpr):
@@ -49,7 +51,9 @@ def gated_rms_norm_fwd_kernel(
     o, gate, w, y,                    # [tokens, H, D] (token strides so_t, sg_t), [D], out: [N, D] contiguous
     N, so_t, sg_t, eps,
     H: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     b_n, b_s, b_w, _ = norm_inputs(o, gate, w, rows, so_t, sg_t, N, eps, H, D, BD)
@@ -107,6 +111,7 @@ class GatedRMSNormFunction(torch.autograd.Function):
         BD = triton.next_power_of_2(D)
         gated_rms_norm_fwd_kernel[(triton.cdiv(N, ROWS),)](
             o=o_t, gate=g_t, w=weight, y=y, N=N, so_t=so_t, sg_t=sg_t, eps=eps, H=H, D=D, BR=ROWS, BD=BD,
+            **pdl_args(o.device),
         )
         ctx.save_for_backward(o_t, g_t, weight)
         ctx.meta = (so_t, sg_t, eps, o.shape, gate.dtype)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_entry
+
 
 @triton.jit
 def paged_decode_rows_kernel(
@@ -13,9 +15,11 @@ def paged_decode_rows_kernel(
     table, dst, seq_lens,              # out: [B, MB], [B] int64, [B] int32
     MB, s_t, BS,
     BM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row r, column block j): copies BM entries of the slot's table row; block 0 also writes the row's
     write position and length."""
+    pdl_entry(PDL)
     i_r, i_j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b_slot = tl.load(slots + i_r)
     p_row = block_table + b_slot * s_t
@@ -41,6 +45,6 @@ def paged_decode_rows(block_table: torch.Tensor, slots: torch.Tensor, lens: torc
     BM = min(4096, triton.next_power_of_2(MB))
     paged_decode_rows_kernel[(B, triton.cdiv(MB, BM))](
         block_table, slots.contiguous(), lens.contiguous(), table, dst, seq_lens, MB, block_table.stride(0),
-        block_size, BM=BM, num_warps=4,
+        block_size, BM=BM, num_warps=4, **pdl_args(block_table.device),
     )
     return table, dst, seq_lens

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_gate_params
+from .pdl import pdl_args, pdl_entry
 from .transforms import beta_transform, kda_gate, l2_normalize
 
 
@@ -30,7 +31,9 @@ def fused_recurrent_kda_fwd_kernel(
     USE_STATE_INDICES: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)                                   # grouped value heads share q/k head i_h
@@ -203,7 +206,7 @@ def fused_recurrent_kda(
         USE_QK_L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,
         USE_LOWER_BOUND=lower_bound is not None, HAS_DT_BIAS=dt_bias is not None,
         USE_BETA_SIGMOID=use_beta_sigmoid_in_kernel, NEG_EIGVAL=allow_neg_eigval,
-        num_warps=num_warps or (4 if BV >= 32 else 2),
+        num_warps=num_warps or (4 if BV >= 32 else 2), **pdl_args(q.device),
     )
     if state_indices is not None:
         return o, (initial_state if output_final_state else None)

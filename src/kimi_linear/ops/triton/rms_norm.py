@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import cast
+from .pdl import pdl_args, pdl_entry
 
 
 @triton.jit
@@ -30,9 +31,11 @@ def rms_norm_kernel(
     N, sx, sd, sy, eps,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_DELTA: tl.constexpr, SCATTER: tl.constexpr,
     TAIL: tl.constexpr, BT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The norm of each row's first D columns; with TAIL > 0 the row's next TAIL columns are copied after it
     unchanged (an MLA cache entry: normed latent | rope key), with SCATTER written to rows ``dst`` of y."""
+    pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (rows < N)[:, None] & (o_d < D)[None, :]
@@ -83,7 +86,7 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     rms_norm_kernel[(triton.cdiv(N, BR),)](
         x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, dst=x_r, N=N, sx=sx, sd=sd,
         sy=D, eps=eps, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
-        num_warps=max(1, min(8, BR * BD // 512)),
+        num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device),
     )
     return y, s
 
@@ -100,7 +103,7 @@ def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
     rms_norm_kernel[(N,)](
         x=x, delta=x, w=weight.contiguous(), y=out, s=out, dst=rows.contiguous(), N=N, sx=x.stride(0), sd=0,
         sy=out.stride(0), eps=eps, D=D, BR=1, BD=BD, HAS_DELTA=False, SCATTER=True, TAIL=W - D,
-        BT=max(1, triton.next_power_of_2(W - D)), num_warps=max(1, min(8, BD // 256)),
+        BT=max(1, triton.next_power_of_2(W - D)), num_warps=max(1, min(8, BD // 256)), **pdl_args(x.device),
     )
 
 
