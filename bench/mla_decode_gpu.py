@@ -348,31 +348,30 @@ def run_timings(peak: float) -> None:
 
 
 def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
-    # (BH, BN, warps, stages[, registers per thread]): both defaults, the candidate and its neighbours. Since the
-    # block ids are loaded one tile ahead, 3 stages double-buffer the key tiles (offline sm_90 build, local
-    # Triton: [32, 64] at 8 warps 175 registers, 184 KB of shared memory; at 16 warps 106, 184 KB; [32, 32] at 8
-    # warps 171 (2 programs per SM by shared memory at 110 KB, by registers only capped at 128), 4 stages 146 KB;
-    # [16, 32] at 4 warps 4 stages 184 registers, 127 KB).
+    # (BH, BN, warps, stages): both defaults, the candidate, their neighbours and both defaults with 2 stages (one
+    # key buffer). Since the block ids are loaded one tile ahead, 3 stages double-buffer the key tiles (offline sm_90
+    # build, local Triton: [32, 64] at 8 warps 175 registers, 184 KB of shared memory; at 16 warps 106, 184 KB;
+    # [32, 32] at 8 warps 171, 110 KB, 4 stages 146 KB; [16, 32] at 4 warps 183, 91 KB).
     configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 64, 16, 3), (32, 32, 8, 3),
-                                  (32, 32, 8, 3, 128), (32, 32, 8, 4), (16, 32, 4, 3), (32, 128, 16, 2)]))
+                                  (32, 32, 8, 4), (16, 32, 4, 2), (32, 64, 8, 2), (32, 128, 16, 2)]))
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
         chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
         base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0],
                                       tri.LONG_PER_SM if chosen == tri.LAUNCH_LONG else tri.PROGRAMS_PER_SM)
-        for BH, BN, nw, ns, *cap in configs:
+        for BH, BN, nw, ns in configs:
             base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH,
                                              tri.LONG_PER_SM if BH >= 32 else tri.PROGRAMS_PER_SM)
             most = max(1, L // 16)
             for splits in sorted({min(most, max(1, s)) for s in (base_bh // 2, base_bh, 2 * base_bh, 4 * base_bh)}):
-                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, regs=cap[0] if cap else "",
+                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns,
                            splits=splits)
                 try:
                     fn = partial(tri.paged_mla_decode, *c.args(), num_splits=splits, block_h=BH, block_n=BN,
-                                 num_warps=nw, num_stages=ns, max_registers=cap[0] if cap else None)
+                                 num_warps=nw, num_stages=ns)
                     ms = bench_ms(graph_of(fn) if S.dev.type == "cuda" else fn)   # no host time in short cases
-                    rows.append(dict(row, default=(BH, BN, nw, ns) == chosen and not cap and splits == base, ms=ms,
+                    rows.append(dict(row, default=(BH, BN, nw, ns) == chosen and splits == base, ms=ms,
                                      GB_s=c.nbytes() / (ms * 1e-3) / 1e9))
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(row, default=False, ms=f"**{type(e).__name__}**", GB_s=""))

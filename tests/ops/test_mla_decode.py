@@ -67,7 +67,7 @@ def reference(q, cache, table, seq_lens, scale, C):
     return ctx, lse
 
 
-LAUNCH_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "max_registers")   # a launch's overrides
+LAUNCH_KEYS = ("block_h", "block_n", "num_warps", "num_stages")   # a launch's overrides
 
 
 def triton_decode(*args, **kw):
@@ -113,11 +113,12 @@ CASES = [  # (lens, block size, splits, heads)
 ]
 
 
-@pytest.mark.parametrize("launch", [None, (32, 128, 16, 2), (32, 64, 8, 2, 128)])
+@pytest.mark.parametrize("launch", [None, (32, 128, 16, 2), (32, 64, 8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens, bs, splits, H", CASES)
 def test_triton_matches_reference(lens, bs, splits, H, dtype, launch):
-    """The launch table's tiles, tiles of more heads than the case has (padded rows masked), and a register cap."""
+    """The launch table's tiles, tiles of more heads than the case has (padded rows masked), and the long tiles with
+    2 stages (one key buffer, as float32 pools run)."""
     q, cache, table, seq = make_case(lens, bs=bs, H=H, dtype=dtype, seed=len(lens) + bs + splits)
     ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, num_splits=splits,
                             **dict(zip(LAUNCH_KEYS, launch or ())))

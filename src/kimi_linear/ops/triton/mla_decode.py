@@ -41,7 +41,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # 128 x 4k / 1 x 4k: [32, 64] at 8 warps 0.460 / 0.077 / 0.236 / 0.0176 with 3 stages (2.6 TB/s at 1M) against
 # 0.589 / 0.096 / 0.313 / 0.0172 with 2 (one buffer: each tile waited for after the products); [16, 32] at 4 warps
 # 0.604 / 0.091 / 0.322 / 0.0159 with 3 stages, 0.663 / 0.107 / 0.351 / 0.0165 with 2; slower at every size: [32, 64]
-# at 16 warps, [32, 32] at 8 warps with 3 or 4 stages (with or without a 128-register cap for two programs per SM),
+# at 16 warps, [32, 32] at 8 warps with 3 or 4 stages (also with registers capped at 128 for two programs per SM),
 # [32, 128] at 16 warps with 2. [32, 64] tiles serve splits of >= LONG_SPLIT_KEYS keys, [16, 32] shorter ones.
 # Float32 pools (exact products, for checks) keep 2 stages: their [16, 32] tiles at 3 would take 182 KB of shared
 # memory, one program per SM (offline sm_90 build: 110 KB and 157-176 registers at 2 stages, no spills).
@@ -265,13 +265,12 @@ def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, blo
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
-                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_n: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.mla_decode.paged_mla_decode` on the GPU (arguments checked there): ``(ctx [B, H, C]
     in q's dtype, lse [B, H] float32)``. q is cast to the pool's dtype for the products (float32 accumulation).
-    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's
-    choice, and max_registers caps the split kernel's registers per thread (Triton's ``maxnreg``: more programs
-    per SM, at the price of spills); for benchmarks."""
+    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's choice
+    (benchmarks)."""
     B, H, W = q.shape
     C, R = kv_lora_rank, W - kv_lora_rank
     BS = cache.shape[1]
@@ -300,7 +299,6 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
         scale * LOG2E, block_table.stride(0), H, NS, MB,
         C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl_args(q.device),
-        **({"maxnreg": max_registers} if max_registers else {}),
     )
     if not single:
         BV = min(MERGE_BV, BC)
