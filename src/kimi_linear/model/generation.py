@@ -208,26 +208,15 @@ class _PagedDecoder:
                 mla += 1
         self.slots = torch.arange(B, device=device)
         self.lens = (lengths.long() if lengths is not None else torch.full((B,), T, device=device)).to(device)
-        self.held = None            # the graph bucket after the first step: later steps only update its inputs
+        self.started = False        # after the first step, the graphs' input buffer only moves on (run_next)
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B] -> next logits [B, vocab] float32 (valid until the next step)."""
         ids = ids.long()
-        B, held = ids.shape[0], self.held
-        if held is not None:
-            # The same rows one token further: the new ids and every length + 1 written into the graph's own input
-            # buffer ([ids | slots | lens], padding rows untouched), two kernels instead of building it anew.
-            b = held.inputs.shape[0] // 3
-            held.inputs[:B].copy_(ids)
-            held.inputs[2 * b : 2 * b + B] += 1
-            if held.graph is None:                      # no CUDA graph (a CPU): the same step, eagerly
-                return self.graphs.forward(held.inputs, b)[:B]
-            held.graph.replay()
-            return held.logits[:B]
-        logits = self.graphs.run_device(ids, self.slots, self.lens)
+        logits = self.graphs.run_next(ids) if self.started else self.graphs.run_device(ids, self.slots, self.lens)
         if logits is None:          # capturing failed (logged): the same step, eagerly
             logits = decode_step(self.model, self.pools, ids, self.slots, self.lens)
-            self.lens += 1
+            self.lens += 1          # (on the graphs' path the lengths live in their input buffer)
         else:
-            self.held = self.graphs.buckets[self.graphs.bucket(B)]
+            self.started = True
         return logits

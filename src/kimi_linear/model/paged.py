@@ -174,10 +174,14 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None or self.broken is not None:
             return None
-        pad = b - n
-        host = torch.tensor([*ids, *[0] * pad, *slots, *[self.pools.scratch_slot] * pad, *lens, *[0] * pad],
+        return self._replay(b, self._host_inputs(ids, slots, lens, b), n)
+
+    def _host_inputs(self, ids: Sequence[int], slots: Sequence[int], lens: Sequence[int], b: int) -> torch.Tensor:
+        """Bucket b's input buffer on the host, int64 [3b] = [ids | slots | lens], n rows then the padding rows
+        (token 0 at the scratch slot, length 0)."""
+        pad = b - len(slots)
+        return torch.tensor([*ids, *[0] * pad, *slots, *[self.pools.scratch_slot] * pad, *lens, *[0] * pad],
                             dtype=torch.int64)
-        return self._replay(b, host, n)
 
     @torch.inference_mode()
     def run_device(self, ids: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
@@ -208,10 +212,8 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None or self.broken is not None:
             return None
-        pad = b - n
         fed = ids if isinstance(ids, torch.Tensor) else None
-        head = [0] * b if fed is not None else [*ids, *[0] * pad]
-        host = torch.tensor([*head, *slots, *[self.pools.scratch_slot] * pad, *lens, *[0] * pad], dtype=torch.int64)
+        host = self._host_inputs([0] * n if fed is not None else ids, slots, lens, b)
         if self.device.type == "cuda":
             host = host.pin_memory()
         logits = self._replay(b, host, n, fed)
@@ -228,6 +230,26 @@ class DecodeGraphs:
         step.inputs.copy_(inputs, non_blocking=inputs.device.type == "cpu" and inputs.is_pinned())
         if fed is not None:
             torch.clamp(fed, min=0, out=step.inputs[:n])
+        return self._run_bucket(step, b, n)
+
+    @torch.inference_mode()
+    def run_next(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The n rows of this object's previous step one token further: ``ids`` [n] (int64, on the device) become
+        their input ids and every length grows by one, written into the bucket's input buffer in place (two small
+        kernels; slots, padding rows and everything else stay as that step left them). For a caller that owns
+        these graphs and steps the same rows every time (``generate``); None when that bucket was never run."""
+        n = ids.shape[0]
+        b = self.bucket(n)
+        step = self.buckets.get(b) if b is not None and self.broken is None else None
+        if step is None:
+            return None
+        step.inputs[:n].copy_(ids)
+        step.inputs[2 * b : 2 * b + n] += 1
+        return self._run_bucket(step, b, n)
+
+    def _run_bucket(self, step: _Bucket, b: int, n: int) -> torch.Tensor:
+        """Replay bucket b's graph on its input buffer as it stands (or run the step eagerly without one): the
+        logits of the first n rows; :attr:`greedy` follows."""
         if step.graph is None:
             self.greedy = None
             return self.forward(step.inputs, b)[:n]
