@@ -163,9 +163,13 @@ class CacheManager:
             seq.slot = None
         seq.num_computed = seq.num_hashed = seq.table_synced = 0
 
+    def blocks_short(self, seq: Sequence, upto: int) -> int:
+        """How many more blocks ``seq`` needs to hold tokens [0, upto) (0 when it has them)."""
+        return max(0, math.ceil(upto / self.cfg.block_size) - len(seq.block_table))
+
     def grow(self, seq: Sequence, upto: int) -> bool:
         """Blocks for tokens [0, upto); False when the pool ran out first (the blocks taken so far stay)."""
-        need = math.ceil(upto / self.cfg.block_size) - len(seq.block_table)
+        need = self.blocks_short(seq, upto)
         while need > 0:
             b = self.blocks.alloc()
             if b is None:

@@ -293,7 +293,7 @@ class LLMEngine:
         reason = None
         if tok in seq.stop_ids:
             reason = "stop"
-        elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens() >= self.max_context:
+        elif self._length_reached(seq):
             reason = "length"
         if reason is not None:
             self._finish(seq, reason, emit=True)
@@ -450,8 +450,7 @@ class LLMEngine:
                 return None             # a row ends by length and frees its slot: admit now, as a serial step would
         if not all(s.params.is_greedy() and s.params.logprobs is None for s in rows):
             return None
-        bs = self.cfg.block_size
-        need = sum(-(-(s.num_computed + 1) // bs) > len(s.block_table) for s in rows)
+        need = sum(self.cache.blocks_short(s, s.num_computed + 1) for s in rows)
         return rows if need <= len(self.blocks.free_plain) else None
 
     def _may_admit(self) -> bool:
@@ -461,12 +460,13 @@ class LLMEngine:
     def _continuing(self, step: InFlight) -> list[Sequence]:
         """The live rows of ``step`` that go on after it: all but those whose token from it will end them by
         length (known in advance; an EOS or stop is not, and costs that row one discarded token)."""
-        out = []
-        for s in step.live_rows():
-            n = len(s.output_ids) + 1
-            if n < s.max_tokens and len(s.prompt_ids) + n < self.max_context:
-                out.append(s)
-        return out
+        return [s for s in step.live_rows() if not self._length_reached(s, pending=1)]
+
+    def _length_reached(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether ``seq`` ends by length once ``pending`` more tokens (in flight, not appended yet) are its own:
+        ``max_tokens`` output tokens, or the model's context."""
+        return (len(seq.output_ids) + pending >= seq.max_tokens
+                or seq.num_tokens() + pending >= self.max_context)
 
     def _drain(self) -> None:
         """Read back and emit the step in flight, if any."""

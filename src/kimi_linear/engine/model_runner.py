@@ -50,6 +50,11 @@ def consecutive_start(blocks: list[int], n: int) -> int | None:
     return b0 if blocks[:n] == list(range(b0, b0 + n)) else None
 
 
+def next_ids(seqs: list[Sequence]) -> list[int]:
+    """Each decode row's input: its first token not computed yet."""
+    return [s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs]
+
+
 class ModelRunner:
     """Forwards of one engine. ``graphs``: the fixed-shape decode step (``capture``: as CUDA graphs)."""
 
@@ -69,8 +74,7 @@ class ModelRunner:
         graph computed them, else None); caches updated (not ``num_computed``)."""
         if self.graphs is not None:
             self.cache.sync_tables(seqs)
-            ids = [s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs]
-            logits = self.graphs.run(ids, [s.slot for s in seqs], [s.num_computed for s in seqs])
+            logits = self.graphs.run(next_ids(seqs), [s.slot for s in seqs], [s.num_computed for s in seqs])
             if logits is not None:
                 self.graph_forwards += 1
                 return logits, self.graphs.greedy
@@ -83,7 +87,7 @@ class ModelRunner:
         cannot run (then nothing ran). Caches updated (not ``num_computed``)."""
         assert self.graphs is not None, "a pipelined decode step needs the fixed-shape step"
         self.cache.sync_tables(seqs)
-        ids = fed if fed is not None else [s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs]
+        ids = fed if fed is not None else next_ids(seqs)
         greedy = self.graphs.launch(ids, [s.slot for s in seqs], [s.num_computed for s in seqs])
         if greedy is not None:
             self.graph_forwards += 1
