@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (ops/triton/pdl.py): an experiment switch that never applies off a CUDA sm_90+
-device, so the interpreter and CPU paths launch every kernel exactly as before."""
+"""Programmatic dependent launch (ops/triton/pdl.py): never applies off a CUDA sm_90+ device, so the interpreter
+and CPU paths launch every kernel exactly as before."""
 
 import torch
 
@@ -15,7 +15,6 @@ def test_pdl_off_on_cpu_even_when_enabled(monkeypatch):
 def test_pdl_never_enabled_under_the_interpreter(monkeypatch):
     import importlib
 
-    monkeypatch.setenv("KIMI_LINEAR_PDL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     try:
         assert importlib.reload(pdl).ENABLED is False

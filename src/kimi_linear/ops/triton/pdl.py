@@ -9,9 +9,9 @@ has completed and its writes are visible) before touching anything the predecess
 Every kernel that takes part calls :func:`pdl_entry` first thing: it waits for its predecessor, then lets its own
 successor launch. Waiting before any load or store keeps each kernel exactly as ordered as without PDL (the only
 overlap is the successor's launch and set-up with this kernel's run), so it is correct whatever the predecessor is
-(a cuBLAS kernel never signals: its successor then launches when it completes, as without PDL). What it buys is
-only measurable on a GPU, so it is off unless ``KIMI_LINEAR_PDL=1`` is set (an experiment switch for the H200 A/B
-run, to be made the default or deleted with its measurement); it never applies under Triton's interpreter.
+(a cuBLAS kernel never signals: its successor then launches when it completes, as without PDL). H200, 2026-12-02,
+the 8-layer 48B-shaped model at batch 1 and 131,072 tokens of context, CUDA-graph replay of a step (two runs each):
+1.162 / 1.138 ms without, 1.102 / 1.076 ms with. On for every sm_90+ device where Triton has it; never under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("KIMI_LINEAR_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+# A Triton without gdc_wait (older releases) launches every kernel as before.
+ENABLED = os.environ.get("TRITON_INTERPRET", "0") != "1" and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 def pdl_args(device: torch.device) -> dict[str, Any]:
