@@ -11,7 +11,8 @@ successor launch. Waiting before any load or store keeps each kernel exactly as 
 overlap is the successor's launch and set-up with this kernel's run), so it is correct whatever the predecessor is
 (a cuBLAS kernel never signals: its successor then launches when it completes, as without PDL). H200, 2026-12-02,
 the 8-layer 48B-shaped model at batch 1 and 131,072 tokens of context, CUDA-graph replay of a step (two runs each):
-1.162 / 1.138 ms without, 1.102 / 1.076 ms with. On for every sm_90+ device where Triton has it; never under Triton's interpreter.
+1.162 / 1.138 ms without, 1.102 / 1.076 ms with. On for every sm_90+ device where Triton has it; never under
+Triton's interpreter.
 """
 
 from __future__ import annotations
