@@ -8,6 +8,8 @@
     python bench/kda_kernels.py --smoke                  # CPU + Triton interpreter, tiny shapes: this script's logic
     python bench/kda_kernels.py --offline-sm90           # no GPU: compile every pipeline kernel for sm_90, regs/spills
     python bench/kda_kernels.py --offline-sm90 --kernel scores --sass-dir /tmp/sass   # and keep their SASS
+    python bench/kda_kernels.py --regimes                # every gate regime (mild to strong) beside fla, worst last
+    python bench/kda_kernels.py --regimes --profile      # and each regime's per-kernel times, ours and fla's
     python bench/kda_kernels.py --sweep                  # per-kernel times of launch configs (how defaults are set)
     python bench/kda_kernels.py --config '{"scores_bks": 64}' --check --bench    # every step under another config
 
@@ -263,6 +265,28 @@ def bench_regimes(bw: float, tf: float, fla_chunk, backward: bool) -> None:
             save()
     if worst is not None:
         say(f"  worst regime: {worst[1]} at {worst[0]:.2f}x fla")
+
+
+def profile_regimes(fla_chunk, backward: bool) -> None:
+    """Per-kernel times (CUDA profiler) of the forward (and forward+backward) of every gate regime at the first
+    shape, ours and fla's: which kernels' speed depends on the gate."""
+    B, T = S.shapes[0]
+    for regime in REGIMES:
+        if over_budget():
+            say(f"  regime profile: {regime} skipped (over the time budget)")
+            continue
+        x, lb = make_regime(B, T, regime)
+        runs = [("ours fwd", lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))]
+        if fla_chunk is not None:
+            runs += [("fla fwd", lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))]
+        if backward:
+            runs += [("ours fwd+bwd", fwd_bwd_runner(
+                lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x))]
+        for what, fn in runs:
+            rows = kernel_times(fn) if S.dev == "cuda" else []
+            say(f"  regime profile {B}x{T} {regime}, {what}: {sum(r[1] for r in rows):.3f} ms of kernels: "
+                + "; ".join(f"{name[:40]} {ms:.3f} ms x{n}" for name, ms, n in rows[:12]))
+        save()
 
 
 def opts(x, lb: bool) -> dict:
@@ -849,7 +873,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
-    p.add_argument("--profile", action="store_true", help="per-kernel times and the chunk variants")
+    p.add_argument("--profile", action="store_true", help="per-kernel times and the chunk variants; with --regimes, per-kernel times of "
+                        "every gate regime (ours and fla's) instead")
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
     p.add_argument("--regimes", action="store_true",
                    help="time every gate regime (mild to strong, softplus and lower_bound) at both shapes beside "
@@ -911,7 +936,7 @@ def main() -> int:
     steps += [("bench chunk forward", bench, lambda: bench_chunk(*need_ceilings(), fla_chunk, False))]
     steps += [("check chunk backward", a.check, checks.chunk_backward)]
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
-    steps += [("profile chunk", a.profile, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
+    steps += [("profile chunk", a.profile and not a.regimes, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
     steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk, a.sweep_case))]
     steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
     # last of the chunk steps: fla's autotuned backward kernels take minutes to compile
@@ -919,6 +944,7 @@ def main() -> int:
                lambda: bench_chunk(*need_ceilings(), fla_chunk, True))]
     steps += [("bench gate regimes", a.regimes,
                lambda: bench_regimes(*need_ceilings(), fla_chunk, not a.no_backward))]
+    steps += [("profile gate regimes", a.regimes and a.profile, lambda: profile_regimes(fla_chunk, not a.no_backward))]
     steps += [("bench SDPA", bench, lambda: (bench_sdpa(False), None if a.no_backward else bench_sdpa(True)))]
     steps += [("check decode", a.check and not a.no_decode, checks.decode_state_pool)]
     steps += [("bench decode", bench and not a.no_decode, lambda: bench_decode(need_ceilings()[0], fla_rec))]
