@@ -873,8 +873,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
-    p.add_argument("--profile", action="store_true", help="per-kernel times and the chunk variants; with --regimes, per-kernel times of "
-                        "every gate regime (ours and fla's) instead")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel times and the chunk variants; with --regimes, per-kernel times of every gate "
+                        "regime (ours and fla's) instead")
     p.add_argument("--no-backward", action="store_true", help="skip the forward+backward rows")
     p.add_argument("--regimes", action="store_true",
                    help="time every gate regime (mild to strong, softplus and lower_bound) at both shapes beside "

@@ -200,12 +200,11 @@ def test_scores_by_halves(case, dtype):
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
 
 
-@pytest.mark.parametrize("norms_in_scores", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_l2norm_factors_from_scores_or_prepare(dtype, norms_in_scores):
-    """l2norm's row factors from the scores kernel (its paths on raw q, k, the [BT, BT] results scaled; default)
-    or from the prepare kernel: with GVA (one writer per q/k head), q and k far from unit norm, value heads on the
-    separable, by-halves and sub-block score paths (gate steps of about -0.5, -3 and -6)."""
+def test_l2norm_factors_from_scores(dtype):
+    """l2norm's row factors from the scores kernel (its paths on raw q, k, the [BT, BT] results scaled): with GVA
+    (one writer per q/k head), q and k far from unit norm, value heads on the separable, by-halves and sub-block
+    score paths (gate steps of about -0.5, -3 and -6)."""
     x = make_inputs(B=1, T=130, H=1, HV=3, K=40, V=16, dtype=dtype, seed=46)
     x["q"], x["k"] = (7 * x["q"]).to(dtype), (3 * x["k"]).to(dtype)
     g = x["g"].double()
@@ -215,7 +214,7 @@ def test_l2norm_factors_from_scores_or_prepare(dtype, norms_in_scores):
     x["g"] = g.to(dtype)
     opts = KernelOptions(use_qk_l2norm_in_kernel=True)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 40 ** -0.5, x["initial_state"], True, opts,
-                         None, cfg=LaunchConfig(norms_in_scores=norms_in_scores))
+                         None)
     o_ref, S_ref = reference(x, opts)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 

@@ -194,14 +194,13 @@ def test_wide_state_scans(stages, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("order", ["chunks", "blocks", "heads"])
-def test_grid_orders(order, monkeypatch):
-    """``LaunchConfig(grid_order=...)``: the per-chunk kernels' programs in another order (chunk_common.grid_coords),
-    with two column blocks in every blocked kernel (K = V = 64, 32 wide), GVA and varlen; forward and backward."""
+def test_two_column_blocks(monkeypatch):
+    """Every blocked kernel with two column blocks (K = V = 64, 32 wide), whose programs chunk_common.grid_coords
+    interleaves with the heads' (GVA) in one grid; varlen; forward and backward."""
     import kimi_linear.ops.triton.chunk as tri_chunk
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
 
-    cfg = LaunchConfig(grid_order=order, bwd_bk=32, bwd_intra_bk=32, o_bv=32)
+    cfg = LaunchConfig(bwd_bk=32, bwd_intra_bk=32, o_bv=32)
     monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", cfg)
     check(make_inputs(B=1, T=90, H=1, HV=2, K=64, V=64, N=3, seed=57), cu_seqlens=torch.tensor([0, 20, 70, 90]))
 

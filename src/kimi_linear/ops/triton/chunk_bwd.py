@@ -68,9 +68,9 @@ def chunk_kda_bwd_inter_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_c, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV, ORDER)
+    i_c, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
@@ -135,9 +135,8 @@ def chunk_kda_bwd_wy_kernel(
     scale, T, NT, STRIDE_NK,
     HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
-    ORDER: tl.constexpr,
 ):
-    i_c, _, i_hv = grid_coords(1, HV, ORDER)
+    i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     o_t = tl.arange(0, BT)
@@ -255,7 +254,7 @@ def chunk_kda_bwd_intra_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PATH: tl.constexpr, ORDER: tl.constexpr,
+    PATH: tl.constexpr,
 ):
     """The score matrices' gradients, per (key block, value head) and ``PATH``: 1, one program per chunk for the
     chunks :func:`chunk_separable` accepts (:func:`separable_grads`); 2, one program per chunk and sub-block S for
@@ -263,7 +262,7 @@ def chunk_kda_bwd_intra_kernel(
     sum of dG across them is :func:`chunk_kda_bwd_gate_kernel`'s. (Every chunk by sub-blocks: 5.08 ms against
     3.32 at 16 x 2048 lower_bound on the H200.)"""
     NC: tl.constexpr = BT // BC
-    i_cs, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV, ORDER)
+    i_cs, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
     if PATH == 1:
         i_c, S = i_cs, 0
     else:
@@ -397,11 +396,10 @@ def chunk_kda_bwd_gate_kernel(
     lower_bound, T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    ORDER: tl.constexpr,
 ):
     """One program per (chunk, key block, value head): G_i = sum_{m <= i} g_m inside the chunk, so
     dg_m = sum_{i >= m} dG_i; then the gate formula's backward and per-chunk partial sums for dA_log, ddt_bias."""
-    i_c, i_k, i_hv = grid_coords(NK, HV, ORDER)
+    i_c, i_k, i_hv = grid_coords(NK, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     o_k = i_k * BK + tl.arange(0, BK)
@@ -438,9 +436,9 @@ def chunk_kda_bwd_qk_kernel(
     cu_seqlens, chunk_indices,
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, ORDER: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
 ):
-    i_c, _, i_h = grid_coords(1, H, ORDER)
+    i_c, _, i_h = grid_coords(1, H)
     G: tl.constexpr = HV // H
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT

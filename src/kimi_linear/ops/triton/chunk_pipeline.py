@@ -54,10 +54,6 @@ class LaunchConfig:
     # inputs (float32 keeps the sub-block scheme: that launch needs more shared memory than the card has). H200,
     # 2026-12-01, scores kernel ms at 16 x 2048 softplus / lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without
     # them and 0.95 / 0.72 in a launch of their own. (Not a setting.)
-    # The l2norm row factors rq, rk computed by the scores kernel (chunk_wy.finish_scores: its paths run on raw q, k
-    # and scale the [BT, BT] results), so that the prepare kernel reads only the gate, not q and k
-    # (H200, 2026-12-01, 16 x 2048: prepare 0.41 -> 0.28 ms softplus, 0.39 -> 0.21 lower_bound; scores +0.08 / +0.07)
-    norms_in_scores: bool = True
     # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
@@ -99,7 +95,7 @@ class LaunchConfig:
     bwd_intra_warps: int = 2
     bwd_intra_prec: str = "tf32"
     # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
-    # [64, BK] products (chunk_bwd.separable_grads); H200 (16 x 2048 lower_bound, grid_order "heads"): 3.32 ms
+    # [64, BK] products (chunk_bwd.separable_grads); H200 (16 x 2048 lower_bound): 3.32 ms
     # against 5.08 by sub-blocks
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
@@ -109,12 +105,6 @@ class LaunchConfig:
     scores_regs: int = 0
     wy_regs: int = 168
     bwd_regs: int = 0
-    # The order in which the per-chunk kernels' programs run (chunk_common.grid_coords): "chunks" (every chunk of
-    # one column block and head, then the next), "blocks" (a chunk's column blocks side by side, sharing its rows
-    # in L2) or "heads" (a chunk's heads too, whose rows are adjacent in memory). H200 sweep (2026-12-01, 16 x 2048,
-    # lower_bound / softplus, ms): forward 3.44 / 3.75 ("chunks"), 3.42 / 3.73 ("blocks"), 3.27 / 3.60 ("heads");
-    # backward 13.35 / 14.32, 13.01 / 14.05, 12.55 / 13.63; every kernel as fast or faster, outputs bit-identical
-    grid_order: str = "heads"
 
     def __post_init__(self):
         # Launches of the scores / WY / output kernels with fewer than 4 warps hit an illegal address on the H200
@@ -125,8 +115,6 @@ class LaunchConfig:
                                  "faulted on the H200")
         if self.store not in ("input", "float32"):
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
-        if self.grid_order not in ("chunks", "blocks", "heads"):
-            raise ValueError(f"LaunchConfig.grid_order must be 'chunks', 'blocks' or 'heads', got {self.grid_order!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
             raise ValueError(f"LaunchConfig.bwd_intra_prec must be 'tf32', 'tf32x3' or 'ieee', got "
                              f"{self.bwd_intra_prec!r}")
@@ -237,10 +225,10 @@ class Problem:
         return self.dummy if x is None else x
 
     def grid(self, NB: int, NH: int, n: int | None = None) -> tuple[int, ...]:
-        """The grid of a per-chunk kernel over (n, default every chunk) x NB column blocks x NH heads in
-        ``cfg.grid_order`` (chunk_common.grid_coords); the kernel takes ``ORDER=cfg.grid_order`` with it."""
+        """The one-dimensional grid of a per-chunk kernel over (n, default every chunk) x NB column blocks x NH
+        heads, heads fastest (chunk_common.grid_coords)."""
         n = self.NT if n is None else n
-        return {"chunks": (n, NB, NH), "blocks": (n * NB, NH), "heads": (n * NB * NH,)}[self.cfg.grid_order]
+        return (n * NB * NH,)
 
     def varlen(self) -> dict:
         return dict(cu_seqlens=self.ptr(self.cu_seqlens), chunk_indices=self.ptr(self.chunk_indices))
@@ -289,15 +277,14 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
-    norms = use_l2 and kept is None                                    # rq, rk written here
-    prepare_norms = norms and not cfg.norms_in_scores                  # by the prepare kernel, else by the scores'
+    norms = use_l2 and kept is None                                    # rq, rk written by the scores kernel
     gP = p.empty(B, T, HV, K)
     rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
     chunk_kda_prepare_kernel[p.grid(1, HV)](
-        q=q, k=k, g=g, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=prepare_norms, ORDER=cfg.grid_order,
+        g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+        HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
         num_warps=4,
     )
     if kept is None:
@@ -316,7 +303,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
               NEG_EIGVAL=opts.allow_neg_eigval)
     wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
-                  BC=BC, ORDER=cfg.grid_order, **flags)
+                  BC=BC, **flags)
     if kept is None:
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
         # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
@@ -326,7 +313,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                NORMS=norms and cfg.norms_in_scores,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
@@ -355,7 +341,7 @@ def output(p: Problem, x: Pieces, scale: float) -> torch.Tensor:
     chunk_kda_fwd_o_kernel[p.grid(triton.cdiv(p.V, BV), p.HV)](
         qg=x.qg, h=x.h, Aqk=x.Aqk, vn=x.vn, o=o, **p.varlen(), scale=scale, T=p.T, NT=p.NT_seq,
         HV=p.HV, K=p.K, V=p.V, BT=BT, BKS=min(p.cfg.o_bks, p.BK), BV=BV, IS_VARLEN=p.cu_seqlens is not None,
-        PREC=p.prec, ORDER=p.cfg.grid_order, num_warps=p.cfg.o_warps,
+        PREC=p.prec, num_warps=p.cfg.o_warps,
     )
     return o
 
@@ -441,7 +427,7 @@ def chunk_kda_bwd_pipeline(
         q=q, k=k, beta=beta, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), Tm=x.Tm, h=x.h, dh=dh, vn=x.vn, dvn=dvn,
         do=do, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, dT_p=dT_p, **p.varlen(), scale=scale, T=T,
         NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb, BV=BVb, **flags,
-        **beta_flags, PREC=p.prec, ORDER=cfg.grid_order, num_warps=cfg.bwd_inter_warps or cfg.bwd_warps,
+        **beta_flags, PREC=p.prec, num_warps=cfg.bwd_inter_warps or cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
@@ -449,14 +435,14 @@ def chunk_kda_bwd_pipeline(
     chunk_kda_bwd_wy_kernel[p.grid(1, HV)](
         v=v, beta=beta, Akk=x.Akk, Tm=x.Tm, vn=x.vn, dvn=dvn, do=do, db_p=db_p, dT_p=dT_p, dv=dv, dbeta=dbeta,
         dAqk=dAqk, dAkk=dAkk, **p.varlen(), scale=scale, T=T, NT=p.NT_seq, STRIDE_NK=stride_nk,
-        HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec, ORDER=cfg.grid_order,
+        HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec,
         num_warps=cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
     BKi = min(cfg.bwd_intra_bk, p.BK)
     intra = dict(q=q, k=k, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dAqk=dAqk, dAkk=dAkk, dq_p=dq_p, dk_p=dk_p,
                  dg_p=dg_p, **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKi, BKA=p.BK, **flags,
-                 PREC=p.prec_exact, ORDER=cfg.grid_order,
+                 PREC=p.prec_exact,
                  num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     BKs = min(cfg.bwd_sep_bk, p.BK)
     # separable chunks whole (PATH 1), then the others by sub-blocks (PATH 2)
@@ -468,12 +454,12 @@ def chunk_kda_bwd_pipeline(
     ddt_p = p.empty(NT, HV, K) if use_gate else None
     chunk_kda_bwd_gate_kernel[p.grid(NK, HV)](
         g=g, dG=dg_p, dg=dg, dA_p=p.ptr(dA_p), ddt_p=p.ptr(ddt_p), **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, ORDER=cfg.grid_order, num_warps=4,
+        HV=HV, K=K, BT=BT, BK=BKb, NK=NK, IS_VARLEN=IS_VARLEN, num_warps=4,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     chunk_kda_bwd_qk_kernel[p.grid(1, H)](
         q=q, k=k, rq=p.ptr(x.rq), rk=p.ptr(x.rk), dq_p=dq_p, dk_p=dk_p, dq=dq, dk=dk, **p.varlen(), T=T,
-        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags, ORDER=cfg.grid_order,
+        NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, **flags,
         num_warps=cfg.bwd_warps, **reg_cap(cfg.bwd_regs),
     )
     dA_log = ddt_bias = None

@@ -82,9 +82,9 @@ def chunk_kda_fwd_o_kernel(
     cu_seqlens, chunk_indices,
     scale, T, NT,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ORDER: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_c, i_v, i_hv = grid_coords((V + BV - 1) // BV, HV, ORDER)
+    i_c, i_v, i_hv = grid_coords((V + BV - 1) // BV, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     o_v = i_v * BV + tl.arange(0, BV)
