@@ -320,3 +320,30 @@ def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
                          NO_OPTIONS, None)
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["gva initial state", "varlen", "strong decay", "length 1"])
+def test_output_fused_into_the_scan(case, dtype):
+    """``LaunchConfig(fused_output=True)``: the output formed inside the state scan from h and vn in registers
+    (chunk_state.chunk_kda_fwd_h_kernel, OUTPUT) matches the float64 reference at the usual bars and the separate
+    output kernel to accumulation order (the operands are rounded the same way), with GVA and an initial state,
+    varlen with an empty sequence and lengths that are not multiples of 64, strong decay and a single token; the
+    final state is untouched by the change (bit for bit)."""
+    cu = None
+    if case == "varlen":
+        cu = torch.tensor([0, 70, 70, 200])
+        x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=48, N=3, dtype=dtype, seed=70)
+    elif case == "strong decay":
+        x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, strong_decay=True, dtype=dtype, seed=71)
+    else:
+        x = make_inputs(B=2, T=1 if case == "length 1" else 100, H=1, HV=2, K=32, V=32, dtype=dtype, seed=72)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, NO_OPTIONS, cu)
+    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(fused_output=True))
+    o_sep, S_sep = chunk_kda_fwd(*args, cfg=LaunchConfig(fused_output=False))
+    o_ref, S_ref = reference(x, NO_OPTIONS, cu_seqlens=cu)
+    bar = 1e-4 if case == "strong decay" and dtype == torch.float32 else tol(dtype)
+    assert o.dtype == dtype and torch.isfinite(o).all()
+    assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
+    assert torch.equal(S, S_sep)
+    assert rel_err(o, o_sep) < (1e-6 if dtype == torch.float32 else 1e-3)

@@ -78,6 +78,11 @@ class LaunchConfig:
     # software pipelining of the state scans' chunk loop; 0: 3 for few sequences (1 x 32768, H=32: forward scan 0.77
     # against 0.96 ms with 2), 2 otherwise (16 x 2048: 0.48 against 0.59 with 3); the same rule as h_bv's
     h_stages: int = 0
+    # Experiment, untimed (2026-12-02): the forward's output formed inside the state scan (chunk_state.py), so
+    # that the per-chunk states and vn (~0.8 GB of writes and reads at 16 x 2048, H=32, K=V=128) never go to
+    # memory; the output products then run inside the sequential scan. To be timed on the H200, then made the
+    # rule (by shape, if it loses for few long sequences) or deleted.
+    fused_output: bool = False
     o_bv: int = 64                    # value columns per program of the output kernel
     o_bks: int = 64
     o_warps: int = 4
@@ -173,6 +178,7 @@ class Pieces:
     h: torch.Tensor
     vn: torch.Tensor
     ht: torch.Tensor | None
+    o: torch.Tensor | None = None     # with the output fused into the scan (forward_pieces' scale)
 
 
 class Problem:
@@ -272,9 +278,11 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
-                   store_states: bool = True, kept: Kept | None = None) -> Pieces:
+                   store_states: bool = True, kept: Kept | None = None, scale: float | None = None) -> Pieces:
     """Kernels (a)-(e) on contiguous inputs; with ``kept`` (the backward, LaunchConfig.keep_scores) the score
-    matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest."""
+    matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest. With
+    ``scale`` the scan also forms the output (``Pieces.o``; LaunchConfig.fused_output) and stores neither the
+    per-chunk states nor vn."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
     norms = use_l2 and kept is None                                    # rq, rk written by the scores kernel
@@ -320,18 +328,21 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
-    h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
-    vn = p.empty(B, T, HV, V, dtype=p.sdt)
+    fused = scale is not None
+    h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states and not fused else p.dummy
+    vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)
+    o = p.empty(B, T, HV, V, dtype=p.dtype) if fused else None
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
     BV = p.h_bv
     chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV), p.N * HV)](
         w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
-        cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), T=T,
+        qg=qg, Aqk=Aqk, o=p.ptr(o),
+        cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale or 1.0, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states, PREC=p.prec,
+        STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states and not fused, OUTPUT=fused, PREC=p.prec,
         num_warps=cfg.h_warps, num_stages=p.h_stages,
     )
-    return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht)
+    return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht, o)
 
 
 def output(p: Problem, x: Pieces, scale: float) -> torch.Tensor:
@@ -369,8 +380,10 @@ def chunk_kda_fwd_keeping(
             ht = initial_state.clone() if initial_state is not None else q.new_zeros(p.N, p.HV, p.K, p.V,
                                                                                      dtype=torch.float32)
         return o, ht, None
-    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state)
-    return output(p, x, scale), x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk)
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state,
+                       scale=scale if cfg.fused_output else None)
+    o = x.o if cfg.fused_output else output(p, x, scale)
+    return o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk)
 
 
 @dataclass

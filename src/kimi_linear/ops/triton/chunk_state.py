@@ -8,7 +8,8 @@ state in registers and walks the sequence's chunks; per chunk (w, u, kg, decay f
     S     = diag(decay) S + kg^T vn
 
 :func:`chunk_kda_fwd_o_kernel`, fully parallel over (chunk, value block, value head):
-``o = scale * (qg h[n] + Aqk vn)``.
+``o = scale * (qg h[n] + Aqk vn)``; or, with ``LaunchConfig.fused_output``, the scan forms each chunk's output
+itself, and h and vn never go to memory.
 
 :func:`chunk_kda_bwd_dh_kernel` is the reverse walk: with ``dS`` the gradient reaching the state after chunk n,
 
@@ -42,12 +43,16 @@ from .chunk_common import (
 def chunk_kda_fwd_h_kernel(
     w, u, kg, decay,                  # [B, T, HV, K|V|K] storage dtype, [NT, HV, K] float32
     h, vn, h0, ht,                    # out: [NT, HV, K, V], [B, T, HV, V]; [N, HV, K, V] float32 in/out
+    qg, Aqk, o,                       # OUTPUT only: [B, T, HV, K], [B, T, HV, BT]; out [B, T, HV, V] input dtype
     cu_seqlens, chunk_offsets,        # varlen only
-    T,
+    scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    STORE_STATES: tl.constexpr, PREC: tl.constexpr,
+    STORE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
 ):
+    """The state scan (module docstring). ``OUTPUT``: each chunk's output ``scale (qg h[n] + Aqk vn)`` is formed
+    here from the state and vn in registers, with the operands rounded as :func:`chunk_kda_fwd_o_kernel` gets them
+    from memory, and neither h nor vn is stored (the forward alone: the backward reads both)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, T_n, c_first = seq_coords(i_n, cu_seqlens, chunk_offsets, T, IS_VARLEN, BT)
@@ -66,8 +71,14 @@ def chunk_kda_fwd_h_kernel(
         b_u = load_rows(u, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32)   # [BT, BV]
         b_d = tl.load(decay + ((c_first + i_t) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)   # [BK]
         b_vn = b_u - mm(b_w, cast(b_h, b_w.dtype), PREC)                        # [BT, BV]
-        b_vn = cast(b_vn, vn.dtype.element_ty)
-        store_rows(vn, b_vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)
+        b_vn = cast(b_vn, b_w.dtype)                                       # the storage dtype, as stored
+        if OUTPUT:
+            b_qg = load_rows(qg, bos, t0, T_n, i_hv, HV, K, o_k, BT)         # [BT, BK]
+            b_A = load_rows(Aqk, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)   # [BT, BT]
+            b_o = mm(b_qg, cast(b_h, b_qg.dtype), PREC) + mm(b_A, b_vn, PREC)      # [BT, BV]
+            store_rows(o, b_o * scale, bos, t0, T_n, i_hv, HV, V, o_v, BT)
+        else:
+            store_rows(vn, b_vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)
         # The state update uses vn as stored, so the output and the backward see the same writes.
         b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
 
