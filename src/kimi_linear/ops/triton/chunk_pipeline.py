@@ -337,7 +337,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV), p.N * HV)](
         w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
         qg=qg, Aqk=Aqk, o=p.ptr(o),
-        cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale or 1.0, T=T,
+        cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets),
+        scale=scale if fused else 1.0, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states and not fused, OUTPUT=fused, PREC=p.prec,
         num_warps=cfg.h_warps, num_stages=p.h_stages,
