@@ -18,6 +18,7 @@
 
     PYTHONPATH=src python3 bench/moe_gpu.py [--json FILE]       # (a) + (b); exit 1 if a check fails
     PYTHONPATH=src python3 bench/moe_gpu.py --sweep [--E 256 --N 1,32,256]   # (c), ~30 shapes per (E, N)
+    PYTHONPATH=src python3 bench/moe_gpu.py --tma                # (a) + (b) with the weights through TMA
     PYTHONPATH=src python3 bench/moe_gpu.py --smoke [--sweep]    # CPU, Triton interpreter, tiny shapes
 """
 
@@ -283,7 +284,7 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
              f"% {CARD_TBPS} TB/s": 100 * gbs / 1e3 / CARD_TBPS, "TFLOP/s": flops / ours_g / 1e6,
              "ours eager us": ours_e, "dense graph us": dense, "loop eager us": looped,
              "x vs dense": dense / ours_g if dense else None, "x vs loop": looped / ours_g,
-             "launch": "BM{BM} BN{BN1}/{BN2} BK{BK1}/{BK2} w{warps1}/{warps2} s{stages1}/{stages2}".format(
+             "launch": "BM{BM} BN{BN1}/{BN2} BK{BK1}/{BK2} w{warps1}/{warps2} s{stages1}/{stages2} tma {tma}".format(
                  **asdict(moe_launch(N, s.k, s.E, s.W, s.I, torch.bfloat16)))}
         rows.append(r)
         say(json.dumps(r))
@@ -291,7 +292,8 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
     ROWS.extend(dict(bench="moe", **r) for r in rows)
 
 
-SWEEP = dict(BM=[16, 32, 64, 128], BN1=[32, 64, 128], BK1=[64, 128, 256], warps1=[4, 8], stages1=[2, 3, 4, 5],
+SWEEP = dict(tma=[False, True], BM=[16, 32, 64, 128], BN1=[32, 64, 128], BK1=[64, 128, 256], warps1=[4, 8],
+             stages1=[2, 3, 4, 5],
              BN2=[32, 64, 128, 256], BK2=[64, 128, 256], warps2=[4, 8], stages2=[2, 3, 4, 5])
 
 
@@ -345,11 +347,20 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, tiny shapes")
     p.add_argument("--sweep", action="store_true", help="only the launch-shape sweep (c)")
     p.add_argument("--json", default=None, help="also write every row to this file")
+    p.add_argument("--tma", action="store_true",
+                   help="every launch with the weights through TMA descriptors (MoELaunch.tma), checks included")
     p.add_argument("--E", default=None, help="comma-separated expert counts (default 32,256; sweep: 256)")
     p.add_argument("--N", default=None, help="comma-separated token counts (default 1,8,32,128,256,2048; "
                                               "sweep: 1,32,256)")
     a = p.parse_args()
     ints = lambda v: [int(t) for t in v.split(",")]
+    if a.tma:
+        # fused_moe reads the table through its module's global: every path (op, layer, graph) gets TMA
+        import kimi_linear.ops.triton.moe as tri_moe
+
+        table_launch = tri_moe.moe_launch
+        tri_moe.moe_launch = lambda *args: replace(table_launch(*args), tma=True)
+        globals()["moe_launch"] = tri_moe.moe_launch            # the rows report what ran
     torch.backends.cuda.matmul.allow_tf32 = False          # the float32 reference in float32
     if a.smoke:
         device, W, I, k, Es = "cpu", 64, 32, 2, [4, 8]

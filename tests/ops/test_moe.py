@@ -354,3 +354,33 @@ def _args(**bad):
 def test_bad_inputs(bad, match):
     with pytest.raises(ValueError, match=match):
         fused_moe(**_args(**bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, E, k, S, W, I, launch", [
+    (1, 8, 3, 1, 64, 48, dict()),                                        # one-token layout, shared expert
+    (37, 4, 2, 0, 48, 40, dict(BM=32, BN1=32, BK1=32, BN2=32, BK2=32)),  # tiles past W and I: rows of the next
+    (20, 5, 3, 0, 48, 40, dict(BM=16, BN1=16, BK1=16, BN2=64, BK2=16)),  # expert / past the view, zero columns
+])
+def test_triton_weight_descriptors(N, E, k, S, W, I, launch, dtype, monkeypatch):
+    """``MoELaunch(tma=True)``: the expert weights' tiles through TMA descriptors of their 2D views (the
+    interpreter implements them), counted: the test fails if the kernels did not get descriptors. Tiles that
+    reach past W read zeros, tiles past an expert's I rows read the next expert's rows (or zeros past the last),
+    which only feed columns the stores leave out; same bars as the pointer loads, and a transposed weight layout
+    falls back to them."""
+    from kimi_linear.ops.triton import moe as tri_moe
+
+    built = []
+    real = tri_moe.weight_descriptors
+    monkeypatch.setattr(tri_moe, "weight_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    x, w13, w2, tw, ids = make(N, E + S, k, W, I, dtype, "random", seed=N + W)
+    ids = ids % E
+    cfg = tri_moe.MoELaunch(**launch, stages1=2, stages2=2, tma=True)
+    shared = [torch.full((N, 1), e) for e in range(E, E + S)]
+    want = naive_moe(x, w13, w2, tw, ids) + sum(naive_moe(x, w13, w2, torch.ones(N, 1), e) for e in shared)
+    got = triton_moe(x, w13, w2, tw, ids, launch=cfg, num_shared=S)
+    assert all(d is not None for d in built[-1])
+    assert rel_err(got, want) < BARS[dtype]
+    w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    got_t = triton_moe(x, w13_t, w2, tw, ids, launch=cfg, num_shared=S)
+    assert built[-1][0] is None and rel_err(got_t, want) < BARS[dtype]

@@ -31,3 +31,19 @@ def test_distributed_bench_smoke(tmp_path):
     assert [r["seq_len"] for r in longest["runs"]] == [256, 128] and longest["runs"][0]["oom"]
     assert longest["longest_held"] == 128
     assert "| context parallel, one sequence | 2 | 256 |" in done.stdout
+
+
+@pytest.mark.slow
+def test_distributed_bench_one_gpu_phases(tmp_path):
+    """``--one-gpu``: only the phases a one-GPU host can run (data parallel on one rank, the longest sequence one
+    device holds), and the report of what they measured; --one-gpu itself never reaches the phases' arguments."""
+    done = subprocess.run(["bash", str(ROOT / "bench" / "distributed.sh"), str(tmp_path), "--one-gpu", "--smoke"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    log = (tmp_path / "log.txt").read_text() if (tmp_path / "log.txt").exists() else ""
+    assert done.returncode == 0, done.stderr[-2000:] + log[-3000:]
+    assert log.count("=== exit 0") == 2 and "on 2 rank(s)" not in log, log[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["phases"]["dp-w2"] is None and summary["phases"]["cp-w2"] is None
+    assert summary["phases"]["dp-w1"]["result"]["tokens_per_s"] > 0
+    assert summary["one_gpu_longest_held"] == 128
+    assert "| one GPU: longest held | 1 | 128 |" in done.stdout

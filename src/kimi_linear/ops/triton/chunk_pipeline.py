@@ -21,7 +21,6 @@ and for every other input dtype. gP, the inverse and the state in the scan are a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+from .tma import tensor_descriptor_class, tma_supported
 
 
 @dataclass(frozen=True)
@@ -257,19 +257,12 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
     heads, width] each, named ``d_*``; v's width steps by bv, the others' by bks) over their [rows, heads x
     width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible by the steps,
     16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
-    if p.device.type == "cuda":
-        on_device = torch.cuda.get_device_capability(p.device)[0] >= 9          # TMA: Hopper and later
-    else:
-        on_device = os.environ.get("TRITON_INTERPRET", "0") == "1"               # the interpreter has descriptors
-    usable = (wanted and on_device and p.K % bks == 0 and p.V % bv == 0
+    usable = (wanted and tma_supported(p.device) and p.K % bks == 0 and p.V % bv == 0
               and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
                       for x in tensors.values()))
-    try:  # host-side descriptors arrived in Triton 3.3 (torch 2.5 brings 3.1): older ones load by pointers
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        usable = False
     if not usable:
         return dict(tensors, TMA=False)
+    TensorDescriptor = tensor_descriptor_class()
 
     def desc(x, step):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[2] * x.shape[3]), [BT, step])

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .chunk_common import INTERPRET, cast
 from .pdl import pdl_args, pdl_entry
+from .tma import tensor_descriptor_class, tma_supported
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,12 @@ class MoELaunch:
     BK2: int = 128
     warps2: int = 4
     stages2: int = 4
+    # Experiment, untimed (2026-12-02): the expert weights' tiles through TMA descriptors (:func:`weight_descriptors`).
+    # Offline sm_90 build of the gate/up kernel at N = 1 (E = 32, W = 2304, I = 1024): pointer loads compile to
+    # 255 registers with spills and register-staged loads (no weight tile in shared memory); descriptors to 114
+    # registers and four stages of weight tiles in 110 KB of shared memory. To be timed (bench/moe_gpu.py),
+    # then made the default or deleted.
+    tma: bool = False
 
 
 def moe_launch(N: int, k: int, E: int, W: int, I: int, dtype: torch.dtype) -> MoELaunch:
@@ -165,6 +172,7 @@ def moe_gate_up_kernel(
     M, W, I, E, NT, s_xn, s_we, s_wn, s_wk, beta, linear_beta,
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SITU: tl.constexpr,
+    d_w, TMA: tl.constexpr,            # w13's [(E + S) 2I, W] view with [BN, BK] blocks (MoELaunch.tma), else w13
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -186,13 +194,20 @@ def moe_gate_up_kernel(
     p_x = x + b_tok[:, None] * s_xn + o_k[None, :]                      # [BM, BK]
     p_g = w13 + i_e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None] * s_wk           # [BK, BN]
     p_u = p_g + I * s_wn
+    r_g = (i_e * 2 * I + i_n * BN).to(tl.int32)                         # the gate tile's first row in d_w
     b_acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     b_acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, W, BK):
         m_k = (o_k < W - k0) | EVEN_K
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)                        # [BM, BK]
-        b_wg = tl.load(p_g, mask=m_k[:, None] & m_n[None, :], other=0.0)                       # [BK, BN]
-        b_wu = tl.load(p_u, mask=m_k[:, None] & m_n[None, :], other=0.0)                       # [BK, BN]
+        if TMA:
+            # columns past W read zeros; rows past this expert's gate (or up) rows belong to columns of h that
+            # the store leaves out
+            b_wg = tl.trans(d_w.load([r_g, k0]))                                                # [BK, BN]
+            b_wu = tl.trans(d_w.load([r_g + I, k0]))                                            # [BK, BN]
+        else:
+            b_wg = tl.load(p_g, mask=m_k[:, None] & m_n[None, :], other=0.0)                   # [BK, BN]
+            b_wu = tl.load(p_u, mask=m_k[:, None] & m_n[None, :], other=0.0)                   # [BK, BN]
         b_acc_g = mma(b_x, b_wg, b_acc_g)
         b_acc_u = mma(b_x, b_wu, b_acc_u)
         p_x += BK
@@ -210,6 +225,7 @@ def moe_down_kernel(
     M, W, I, E, NT, s_we, s_wn, s_wk,
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    d_w, TMA: tl.constexpr,                # w2's [(E + S) W, I] view with [BN, BK] blocks (MoELaunch.tma), else w2
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -229,11 +245,15 @@ def moe_down_kernel(
     o_k = tl.arange(0, BK)
     p_h = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]               # [BM, BK]
     p_w = w2 + i_e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None] * s_wk            # [BK, BN]
+    r_w = (i_e * W + i_n * BN).to(tl.int32)                             # the tile's first row in d_w
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         m_k = (o_k < I - k0) | EVEN_K
         b_h = tl.load(p_h, mask=m_m[:, None] & m_k[None, :], other=0.0)                        # [BM, BK]
-        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)                        # [BK, BN]
+        if TMA:
+            b_w = tl.trans(d_w.load([r_w, k0]))      # [BK, BN]; as in the gate/up kernel, extra rows are not stored
+        else:
+            b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)                    # [BK, BN]
         b_acc = mma(b_h, b_w, b_acc)
         p_h += BK
         p_w += BK * s_wk
@@ -285,6 +305,23 @@ def one_token_slots(K: int, BM: int, device: torch.device) -> torch.Tensor:
     return slots
 
 
+def weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, cfg: MoELaunch) -> tuple[object | None, object | None]:
+    """TMA descriptors of the expert weights when ``cfg.tma`` and the device allow (ops/triton/tma.py): w13
+    [E + S, 2I, W] as its [(E + S) 2I, W] view in [BN1, BK1] tiles, w2 [E + S, W, I] as [(E + S) W, I] in [BN2, BK2]
+    tiles. Each needs contiguous rows of 16-byte multiples (a strided or transposed layout, such as the CPU's packed
+    experts, keeps pointer loads: None)."""
+    if not (cfg.tma and tma_supported(w13.device)):
+        return None, None
+    TensorDescriptor = tensor_descriptor_class()
+
+    def desc(w: torch.Tensor, block: list[int]):
+        if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
+            return None
+        return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), block)
+
+    return desc(w13, [cfg.BN1, cfg.BK1]), desc(w2, [cfg.BN2, cfg.BK2])
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
               situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0,
@@ -316,21 +353,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         moe_align_kernel[(1,)](ids, cursor, slot_pair, M, NB * BM, E, E_all, K_TOP=k, K_ALL=K, BM=BM, BE=BE, BS=256,
                                num_warps=4, **pdl_args(x.device))
     P = NB * BM
+    d_w13, d_w2 = weight_descriptors(w13, w2, cfg)
 
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     NT1 = triton.cdiv(I, cfg.BN1)
     moe_gate_up_kernel[(NB * NT1,)](
         x, w13, slot_pair, ids, h, M, W, I, E, NT1, x.stride(0), *w13.stride(), float(situ_beta),
         float(situ_linear_beta), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN1, BK=cfg.BK1, EVEN_K=W % cfg.BK1 == 0,
-        EVEN_N=I % cfg.BN1 == 0, SITU=activation == "situ", num_warps=cfg.warps1, num_stages=cfg.stages1,
-        **pdl_args(x.device),
+        EVEN_N=I % cfg.BN1 == 0, SITU=activation == "situ", d_w=w13 if d_w13 is None else d_w13,
+        TMA=d_w13 is not None, num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl_args(x.device),
     )
     y = torch.empty(M, W, dtype=torch.float32, device=x.device)
     NT2 = triton.cdiv(W, cfg.BN2)
     moe_down_kernel[(NB * NT2,)](
         h, w2, slot_pair, ids, weights, y, M, W, I, E, NT2, *w2.stride(), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN2,
-        BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **pdl_args(x.device),
+        BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, d_w=w2 if d_w2 is None else d_w2,
+        TMA=d_w2 is not None, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl_args(x.device),
     )
     BW = min(1024, triton.next_power_of_2(W))
     if residual is not None and residual.stride(1) != 1:
