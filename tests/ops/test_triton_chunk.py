@@ -347,3 +347,33 @@ def test_output_fused_into_the_scan(case, dtype):
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
     assert torch.equal(S, S_sep)
     assert rel_err(o, o_sep) < (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
+    """``LaunchConfig(scores_tma_rest=True)``: q, k and gP through the descriptors in the by-halves and
+    sub-block score paths too (counted), two sequences of 130 tokens (the first's last chunk reads the second's
+    rows through the descriptor: they must count as zero); value head 0 on the halves path (about -3 a step), head
+    1 mixed mild / strong channels (the sub-block scheme with its diagonal levels). Bit for bit the pointer
+    loads' outputs, and the reference's at the usual bars."""
+    from kimi_linear.ops.triton import chunk_wy
+
+    halves = spy_calls(monkeypatch, chunk_wy, "halves_scores")
+    sub_blocks = spy_calls(monkeypatch, chunk_wy, "chunk_scores")
+    x = mixed_gates(make_inputs(B=2, T=130, H=1, HV=2, K=64, V=32, dtype=dtype, seed=73), seed=74)
+    g = x["g"].double()
+    g[:, :, 0] = -3.0 + 0.1 * torch.randn(2, 130, 64, generator=torch.Generator().manual_seed(75),
+                                          dtype=torch.float64)
+    x["g"] = g.to(dtype)
+    tiles = []                                  # chunk_wy.chunk_tile's TMA flag, call by call
+    real_tile = chunk_wy.chunk_tile
+    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append(bool(a[-1])) or real_tile(*a))
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True, NO_OPTIONS, None)
+    o_ptr, S_ptr = chunk_kda_fwd(*args, cfg=LaunchConfig())
+    by_descriptor = sum(tiles)
+    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(scores_tma_rest=True))
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert sub_blocks and (halves or dtype == torch.float32)     # float32 takes no halves path
+    assert sum(tiles) - by_descriptor > by_descriptor            # the other paths' tiles came by descriptor too
+    assert torch.equal(o, o_ptr) and torch.equal(S, S_ptr)
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)

@@ -70,6 +70,9 @@ class LaunchConfig:
     # to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound):
     # scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65 lower_bound, outputs bit-identical; the full-size checks pass
     scores_tma: bool = True
+    # Experiment, untimed (2026-12-02): the descriptors in the other two score paths too (by halves, and the
+    # sub-block scheme that strong decay takes; chunk_wy.halves_scores, chunk_scores), outputs bit-identical
+    scores_tma_rest: bool = False
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64)
@@ -314,6 +317,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
+                TMA_REST=cfg.scores_tma_rest,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )
