@@ -55,6 +55,8 @@ def test_signal_drains_then_aborts(checkpoint, ref_model, sig):
                 httpx.get(s.url + "/health", timeout=2)
             except httpx.ConnectError:
                 break
+            except httpx.TimeoutException:
+                pass         # accepted before the socket closed, but the draining server (or a busy CPU) was slow
             time.sleep(0.05)
         else:
             pytest.fail("the server still accepted connections after the signal")
