@@ -284,8 +284,7 @@ def profile_regimes(fla_chunk, backward: bool) -> None:
                 lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x))]
         for what, fn in runs:
             rows = kernel_times(fn) if S.dev == "cuda" else []
-            say(f"  regime profile {B}x{T} {regime}, {what}: {sum(r[1] for r in rows):.3f} ms of kernels: "
-                + "; ".join(f"{name[:40]} {ms:.3f} ms x{n}" for name, ms, n in rows[:12]))
+            say(f"  regime profile {B}x{T} {regime}, {what}: {kernel_summary(rows, 12)}")
         save()
 
 
@@ -650,6 +649,12 @@ def kernel_times(fn, iters: int = 5) -> list[tuple[str, float, int]]:
     return sorted(out, key=lambda r: -r[1])
 
 
+def kernel_summary(rows: list[tuple[str, float, int]], top: int) -> str:
+    """``kernel_times`` rows as one line: their total, then the ``top`` largest."""
+    return (f"{sum(r[1] for r in rows):.3f} ms of kernels: "
+            + "; ".join(f"{name[:40]} {ms:.3f} ms x{n}" for name, ms, n in rows[:top]))
+
+
 def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
     """Where the time goes (per kernel, default pipeline, forward and forward+backward), then every variant of
     ``VARIANTS``: checked against the PyTorch path at the first shape (o, and with the backward dq, dg), and timed
@@ -660,10 +665,7 @@ def profile_chunk(bw: float, tf: float, fla_chunk) -> None:
                          ("fwd+bwd", fwd_bwd_runner(lambda L: ours_grad(L, False)[0], x))):
             if S.dev != "cuda":
                 continue
-            rows = kernel_times(fn)
-            total = sum(r[1] for r in rows)
-            say(f"  profile {B}x{T} {what} (default pipeline): {total:.3f} ms of kernels: " + "; ".join(
-                f"{name[:40]} {ms:.3f} ms x{n}" for name, ms, n in rows[:14]))
+            say(f"  profile {B}x{T} {what} (default pipeline): {kernel_summary(kernel_times(fn), 14)}")
         save()
     for B, T in S.shapes:
         x = make(B, T, seed=7)

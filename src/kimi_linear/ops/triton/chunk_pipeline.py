@@ -326,7 +326,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
     fused = scale is not None
-    h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states and not fused else p.dummy
+    store_states = store_states and not fused                          # the fused scan reads its states in place
+    h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)
     o = p.empty(B, T, HV, V, dtype=p.dtype) if fused else None
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
@@ -337,7 +338,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets),
         scale=scale if fused else 1.0, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states and not fused, OUTPUT=fused, PREC=p.prec,
+        STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states, OUTPUT=fused, PREC=p.prec,
         num_warps=cfg.h_warps, num_stages=p.h_stages,
     )
     return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht, o)
