@@ -18,7 +18,7 @@
 
     PYTHONPATH=src python3 bench/moe_gpu.py [--json FILE]       # (a) + (b); exit 1 if a check fails
     PYTHONPATH=src python3 bench/moe_gpu.py --sweep [--E 256 --N 1,32,256]   # (c), ~30 shapes per (E, N)
-    PYTHONPATH=src python3 bench/moe_gpu.py --tma                # (a) + (b) with the weights through TMA
+    PYTHONPATH=src python3 bench/moe_gpu.py --no-tma             # (a) + (b) with pointer loads of the weights
     PYTHONPATH=src python3 bench/moe_gpu.py --smoke [--sweep]    # CPU, Triton interpreter, tiny shapes
 """
 
@@ -347,19 +347,20 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, tiny shapes")
     p.add_argument("--sweep", action="store_true", help="only the launch-shape sweep (c)")
     p.add_argument("--json", default=None, help="also write every row to this file")
-    p.add_argument("--tma", action="store_true",
-                   help="every launch with the weights through TMA descriptors (MoELaunch.tma), checks included")
+    p.add_argument("--no-tma", action="store_true",
+                   help="every launch with pointer loads of the weights instead of the TMA descriptors "
+                        "(MoELaunch.tma=False), checks included: the A/B of the default")
     p.add_argument("--E", default=None, help="comma-separated expert counts (default 32,256; sweep: 256)")
     p.add_argument("--N", default=None, help="comma-separated token counts (default 1,8,32,128,256,2048; "
                                               "sweep: 1,32,256)")
     a = p.parse_args()
     ints = lambda v: [int(t) for t in v.split(",")]
-    if a.tma:
-        # fused_moe reads the table through its module's global: every path (op, layer, graph) gets TMA
+    if a.no_tma:
+        # fused_moe reads the table through its module's global: every path (op, layer, graph) gets pointer loads
         import kimi_linear.ops.triton.moe as tri_moe
 
         table_launch = tri_moe.moe_launch
-        tri_moe.moe_launch = lambda *args: replace(table_launch(*args), tma=True)
+        tri_moe.moe_launch = lambda *args: replace(table_launch(*args), tma=False)
         globals()["moe_launch"] = tri_moe.moe_launch            # the rows report what ran
     torch.backends.cuda.matmul.allow_tf32 = False          # the float32 reference in float32
     if a.smoke:

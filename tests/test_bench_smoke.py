@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("fused_small_gpu.py", ["--smoke"]),
     ("mla_decode_gpu.py", ["--smoke"]),
     ("moe_gpu.py", ["--smoke"]),
-    ("moe_gpu.py", ["--smoke", "--tma"]),
+    ("moe_gpu.py", ["--smoke", "--no-tma"]),
     ("profile_decode.py", ["--smoke", "--batches", "1,2"]),
 ])
 @pytest.mark.slow

@@ -114,11 +114,14 @@ def test_triton_situ(dtype):
     dict(BM=16, BN1=16, BK1=16, BN2=64, BK2=16),     # BN2 wider than W
     dict(BM=64, BN1=64, BK1=64, BN2=16, BK2=64),     # one block for every expert, BK2 wider than I
 ])
-def test_triton_launch_shapes(launch):
+@pytest.mark.parametrize("tma", [True, False])
+def test_triton_launch_shapes(launch, tma):
+    """Masked and oversized tiles, with the weights through descriptors (the default) and through pointer loads
+    (GPUs before Hopper, and layouts descriptors cannot describe)."""
     from kimi_linear.ops.triton.moe import MoELaunch
 
     x, w13, w2, tw, ids = make(20, 5, 3, 48, 40, torch.float32, seed=6)
-    got = triton_moe(x, w13, w2, tw, ids, launch=MoELaunch(**launch, stages1=2, stages2=2))
+    got = triton_moe(x, w13, w2, tw, ids, launch=MoELaunch(**launch, stages1=2, stages2=2, tma=tma))
     assert rel_err(got, reference(x, w13, w2, tw, ids)) < BARS[torch.float32]
 
 
@@ -363,7 +366,7 @@ def test_bad_inputs(bad, match):
     (20, 5, 3, 0, 48, 40, dict(BM=16, BN1=16, BK1=16, BN2=64, BK2=16)),  # expert / past the view, zero columns
 ])
 def test_triton_weight_descriptors(N, E, k, S, W, I, launch, dtype, monkeypatch):
-    """``MoELaunch(tma=True)``: the expert weights' tiles through TMA descriptors of their 2D views (the
+    """``MoELaunch(tma=True)`` (the default): the expert weights' tiles through TMA descriptors of their 2D views (the
     interpreter implements them), counted: the test fails if the kernels did not get descriptors. Tiles that
     reach past W read zeros, tiles past an expert's I rows read the next expert's rows (or zeros past the last),
     which only feed columns the stores leave out; same bars as the pointer loads, and a transposed weight layout
