@@ -155,7 +155,7 @@ def test_no_initial_state_no_final_state_odd_widths():
     assert rel_err(o, reference(x, KernelOptions())[0]) < 1e-5
 
 
-@pytest.mark.parametrize("field, value", [("scores_warps", 2), ("o_warps", 1), ("store", "half"),
+@pytest.mark.parametrize("field, value", [("scores_warps", 2), ("wy_warps", 1), ("store", "half"),
                                           ("bwd_intra_prec", "bf16")])
 def test_launch_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
@@ -322,14 +322,36 @@ def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
+def output_from_stored_pieces(x, cu, scale):
+    """``o = scale (qg h[n] + Aqk vn)`` per chunk in float64 from what the backward's recompute stores (h per chunk,
+    vn, qg, Aqk: chunk_pipeline.forward_pieces without a scale), [B, T, HV, V]."""
+    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
+
+    p = Problem(x["q"], x["v"], cu, NO_OPTIONS, LaunchConfig())
+    pc = forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False)
+    B, T = x["q"].shape[:2]
+    bounds = cu.tolist() if cu is not None else None
+    o = torch.zeros(*x["v"].shape, dtype=torch.float64)
+    c = 0
+    for n in range(len(bounds) - 1 if cu is not None else B):
+        b, bos, eos = (0, bounds[n], bounds[n + 1]) if cu is not None else (n, 0, T)
+        for t0 in range(bos, eos, 64):
+            r = slice(t0, min(t0 + 64, eos))
+            A = pc.Aqk[b, r].double()[..., : r.stop - r.start]                 # [L, HV, L]
+            qh = torch.einsum("thk,hkv->thv", pc.qg[b, r].double(), pc.h[c].double())
+            o[b, r] = scale * (qh + torch.einsum("tha,ahv->thv", A, pc.vn[b, r].double()))
+            c += 1
+    return o
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["gva initial state", "varlen", "strong decay", "length 1"])
-def test_output_fused_into_the_scan(case, dtype):
-    """``LaunchConfig(fused_output=True)``: the output formed inside the state scan from h and vn in registers
-    (chunk_state.chunk_kda_fwd_h_kernel, OUTPUT) matches the float64 reference at the usual bars and the separate
-    output kernel to accumulation order (the operands are rounded the same way), with GVA and an initial state,
-    varlen with an empty sequence and lengths that are not multiples of 64, strong decay and a single token; the
-    final state is untouched by the change (bit for bit)."""
+def test_output_formed_in_the_scan(case, dtype):
+    """The forward's scan forms each chunk's output from the state and vn in registers (chunk_state.py, OUTPUT):
+    against the float64 reference at the usual bars, and against ``scale (qg h[n] + Aqk vn)`` from the pieces the
+    backward's recompute stores (same rounding of h and vn; bar: a few bf16 roundings of o), with GVA and an
+    initial state, varlen with an empty sequence and lengths that are not multiples of 64, strong decay and a
+    single token."""
     cu = None
     if case == "varlen":
         cu = torch.tensor([0, 70, 70, 200])
@@ -339,14 +361,13 @@ def test_output_fused_into_the_scan(case, dtype):
     else:
         x = make_inputs(B=2, T=1 if case == "length 1" else 100, H=1, HV=2, K=32, V=32, dtype=dtype, seed=72)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, NO_OPTIONS, cu)
-    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(fused_output=True))
-    o_sep, S_sep = chunk_kda_fwd(*args, cfg=LaunchConfig(fused_output=False))
+    o, S = chunk_kda_fwd(*args)
     o_ref, S_ref = reference(x, NO_OPTIONS, cu_seqlens=cu)
     bar = 1e-4 if case == "strong decay" and dtype == torch.float32 else tol(dtype)
     assert o.dtype == dtype and torch.isfinite(o).all()
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
-    assert torch.equal(S, S_sep)
-    assert rel_err(o, o_sep) < (1e-6 if dtype == torch.float32 else 1e-3)
+    o_pieces = output_from_stored_pieces(x, cu, 32 ** -0.5)
+    assert rel_err(o, o_pieces) < (1e-6 if dtype == torch.float32 else 3e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -200,7 +200,7 @@ def test_two_column_blocks(monkeypatch):
     import kimi_linear.ops.triton.chunk as tri_chunk
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
 
-    cfg = LaunchConfig(bwd_bk=32, bwd_intra_bk=32, o_bv=32)
+    cfg = LaunchConfig(bwd_bk=32, bwd_intra_bk=32, h_bv=32)
     monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", cfg)
     check(make_inputs(B=1, T=90, H=1, HV=2, K=64, V=64, N=3, seed=57), cu_seqlens=torch.tensor([0, 20, 70, 90]))
 

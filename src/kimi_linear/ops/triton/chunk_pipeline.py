@@ -1,17 +1,17 @@
-"""Host side of the chunk pipeline: the forward as five small kernels, and the backward.
+"""Host side of the chunk pipeline: the forward as four small kernels, and the backward.
 
 Forward (docs/kda.md §4-6), each kernel with a bounded working set:
 
     (a) chunk_prepare.py  gate -> gP (16-row sub-block sums), l2norm row factors rq, rk
     (b) chunk_wy.py       scores: Aqk, Akk per chunk, separable chunks in one product per channel step (two launches)
     (c, d) chunk_wy.py    (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
-    (e) chunk_state.py    the state scan: h per chunk, vn = u - w h, final state
-    (f) chunk_state.py    o = scale (qg h + Aqk vn)
+    (e) chunk_state.py    the state scan: per chunk vn = u - w h and o = scale (qg h + Aqk vn), final state
 
-Backward: recompute (a)-(e) (in training, :class:`Kept`: the forward's score matrices and inverse are kept, as fla
-keeps its own, so (b) and (c) are skipped; the per-chunk states are never kept), the reverse state scan
-(chunk_state.py), then five per-chunk kernels (chunk_bwd.py): products with the states and the WY factors' key side,
-the inverse and value side, the score matrices (per 16-row sub-block; optionally separable chunks whole), the gate's
+Backward: recompute (a)-(e), the scan storing h per chunk and vn instead of forming o (in training,
+:class:`Kept`: the forward's score matrices and inverse are kept, as fla keeps its own, so (b) and (c) are skipped;
+the per-chunk states are never kept), the reverse state scan (chunk_state.py), then five per-chunk kernels
+(chunk_bwd.py): products with the states and the WY factors' key side, the inverse and value side, the score
+matrices (per 16-row sub-block; optionally separable chunks whole), the gate's
 cumulative sum and formula, and q/k (GVA sum, l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
@@ -36,7 +36,7 @@ from .chunk_bwd import (
 )
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
-from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
+from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .tma import tensor_descriptor_class, tma_supported
 
@@ -81,14 +81,6 @@ class LaunchConfig:
     # software pipelining of the state scans' chunk loop; 0: 3 for few sequences (1 x 32768, H=32: forward scan 0.77
     # against 0.96 ms with 2), 2 otherwise (16 x 2048: 0.48 against 0.59 with 3); the same rule as h_bv's
     h_stages: int = 0
-    # Experiment, untimed (2026-12-02): the forward's output formed inside the state scan (chunk_state.py), so
-    # that the per-chunk states and vn (~0.8 GB of writes and reads at 16 x 2048, H=32, K=V=128) never go to
-    # memory; the output products then run inside the sequential scan. To be timed on the H200, then made the
-    # rule (by shape, if it loses for few long sequences) or deleted.
-    fused_output: bool = False
-    o_bv: int = 64                    # value columns per program of the output kernel
-    o_bks: int = 64
-    o_warps: int = 4
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
     bwd_warps: int = 4
     # warps of the inter kernel alone (0: bwd_warps): 8 timed 3.23 ms against 3.75 with 4 (H200, 2026-12-01), no
@@ -115,9 +107,9 @@ class LaunchConfig:
     bwd_regs: int = 0
 
     def __post_init__(self):
-        # Launches of the scores / WY / output kernels with fewer than 4 warps hit an illegal address on the H200
-        # (Triton 3.6, sweep of 2026-12-01; which kernel is not yet known), so they are refused here.
-        for name in ("scores_warps", "wy_warps", "o_warps"):
+        # Launches of the scores / WY kernels (and of the output kernel, since gone) with fewer than 4 warps hit an
+        # illegal address on the H200 (Triton 3.6, sweep of 2026-12-01; which kernel is not yet known): refused.
+        for name in ("scores_warps", "wy_warps"):
             if getattr(self, name) < 4:
                 raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
                                  "faulted on the H200")
@@ -181,7 +173,7 @@ class Pieces:
     h: torch.Tensor
     vn: torch.Tensor
     ht: torch.Tensor | None
-    o: torch.Tensor | None = None     # with the output fused into the scan (forward_pieces' scale)
+    o: torch.Tensor | None = None     # the forward's output (forward_pieces with a scale)
 
 
 class Problem:
@@ -274,11 +266,11 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
-                   store_states: bool = True, kept: Kept | None = None, scale: float | None = None) -> Pieces:
+                   kept: Kept | None = None, scale: float | None = None) -> Pieces:
     """Kernels (a)-(e) on contiguous inputs; with ``kept`` (the backward, LaunchConfig.keep_scores) the score
     matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest. With
-    ``scale`` the scan also forms the output (``Pieces.o``; LaunchConfig.fused_output) and stores neither the
-    per-chunk states nor vn."""
+    ``scale`` (the forward) the scan forms the output ``Pieces.o`` and stores neither the per-chunk states nor vn;
+    without it (the backward's recompute) it stores both for the gradient kernels."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
     norms = use_l2 and kept is None                                    # rq, rk written by the scores kernel
@@ -325,9 +317,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
-    fused = scale is not None
-    store_states = store_states and not fused                          # the fused scan reads its states in place
-    h = p.empty(max(NT, 1), HV, K, V, dtype=p.sdt) if store_states else p.dummy
+    fused = scale is not None                                          # the forward: o formed in the scan
+    h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)
     o = p.empty(B, T, HV, V, dtype=p.dtype) if fused else None
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
@@ -338,22 +329,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets),
         scale=scale if fused else 1.0, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, STORE_STATES=store_states, OUTPUT=fused, PREC=p.prec,
+        STORE_FINAL_STATE=output_final_state, OUTPUT=fused, PREC=p.prec,
         num_warps=cfg.h_warps, num_stages=p.h_stages,
     )
     return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht, o)
-
-
-def output(p: Problem, x: Pieces, scale: float) -> torch.Tensor:
-    """Kernel (f)."""
-    o = p.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
-    BV = min(p.cfg.o_bv, p.BVmax)
-    chunk_kda_fwd_o_kernel[p.grid(triton.cdiv(p.V, BV), p.HV)](
-        qg=x.qg, h=x.h, Aqk=x.Aqk, vn=x.vn, o=o, **p.varlen(), scale=scale, T=p.T, NT=p.NT_seq,
-        HV=p.HV, K=p.K, V=p.V, BT=BT, BKS=min(p.cfg.o_bks, p.BK), BV=BV, IS_VARLEN=p.cu_seqlens is not None,
-        PREC=p.prec, num_warps=p.cfg.o_warps,
-    )
-    return o
 
 
 def chunk_kda_fwd_pipeline(
@@ -379,10 +358,8 @@ def chunk_kda_fwd_keeping(
             ht = initial_state.clone() if initial_state is not None else q.new_zeros(p.N, p.HV, p.K, p.V,
                                                                                      dtype=torch.float32)
         return o, ht, None
-    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state,
-                       scale=scale if cfg.fused_output else None)
-    o = x.o if cfg.fused_output else output(p, x, scale)
-    return o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk)
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state, scale=scale)
+    return x.o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk)
 
 
 @dataclass
@@ -413,7 +390,7 @@ def chunk_kda_bwd_pipeline(
         return Grads(zero(q), zero(k), zero(v), zero(g), zero(beta), dh0, zero(opts.A_log) if use_gate else None,
                      zero(opts.dt_bias) if use_gate else None)
     IS_VARLEN = p.cu_seqlens is not None
-    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state=False, store_states=True, kept=kept)
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state=False, kept=kept)
 
     dh = p.empty(NT, HV, K, V, dtype=p.sdt)
     dvn = p.empty(B, T, HV, V, dtype=p.sdt)

@@ -21,7 +21,7 @@ blocks (forward substitution on the diagonal blocks, block products below), stor
 
     w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
 
-which is everything the state scan and the output kernel (chunk_state.py) read.
+which is everything the state scan (chunk_state.py) reads.
 """
 
 from __future__ import annotations
