@@ -79,7 +79,8 @@ class LaunchConfig:
     scores_diag_rows: bool = False
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
-    # (1 x 32768: 0.95 against 1.09 with 64)
+    # (1 x 32768: 0.95 against 1.09 with 64). Measured before the forward scan formed the output (which makes its
+    # programs longer); not swept again since (bench/kda_kernels.py --profile times h_bv 64 and 16)
     h_bv: int = 0
     h_warps: int = 4
     # software pipelining of the state scans' chunk loop; 0: 3 for few sequences (1 x 32768, H=32: forward scan 0.77
