@@ -322,33 +322,6 @@ def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["every diagonal block", "strong decay varlen"])
-def test_diagonal_rows(case, dtype, monkeypatch):
-    """``LaunchConfig(scores_diag_rows=True)``: the strong steps' diagonal blocks by exact per-pair factors
-    (chunk_wy.diagonal_rows, counted), on every diagonal block of mixed and mild chunks (SAFE_EXP forced, so every
-    pair of every block matters), and under strong decay packed with an empty sequence and lengths that are not
-    multiples of 64 (rows past a sequence's end inside its last chunk). Against the float64 reference at the bars
-    of the reference-row levels, which the same inputs take without the setting."""
-    from kimi_linear.ops.triton import chunk_wy
-
-    calls = spy_calls(monkeypatch, chunk_wy, "diagonal_rows")
-    cu = None
-    if case == "every diagonal block":
-        force_levels(monkeypatch)
-        x = mixed_gates(make_inputs(B=1, T=130, H=1, HV=2, K=64, V=16, dtype=dtype, seed=67), seed=68)
-    else:
-        cu = torch.tensor([0, 20, 20, 130])
-        x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, N=3, strong_decay=True, dtype=dtype, seed=73)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"], True,
-            NO_OPTIONS, cu)
-    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(scores_diag_rows=True))
-    o_ref, S_ref = reference(x, NO_OPTIONS, cu_seqlens=cu)
-    bar = 1e-4 if case == "strong decay varlen" and dtype == torch.float32 else tol(dtype)
-    assert calls, "the per-pair diagonal blocks were not taken"
-    assert torch.isfinite(o).all() and rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
-
-
 def output_from_stored_pieces(x, cu, scale):
     """``o = scale (qg h[n] + Aqk vn)`` per chunk in float64 from what the backward's recompute stores (h per chunk,
     vn, qg, Aqk: chunk_pipeline.forward_pieces without a scale), [B, T, HV, V]."""

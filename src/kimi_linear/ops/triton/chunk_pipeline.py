@@ -73,10 +73,6 @@ class LaunchConfig:
     # Experiment, untimed (2026-12-02): the descriptors in the other two score paths too (by halves, and the
     # sub-block scheme that strong decay takes; chunk_wy.halves_scores, chunk_scores), outputs bit-identical
     scores_tma_rest: bool = False
-    # Experiment, untimed (2026-12-02): the strong channel steps' diagonal blocks by exact per-pair factors on the
-    # CUDA cores (chunk_wy.diagonal_rows, as fla does) instead of four tf32 levels of reference rows (H200: strong
-    # decay's scores 3.67 ms against 0.68 for separable chunks, the levels most of the difference)
-    scores_diag_rows: bool = False
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64). Measured before the forward scan formed the output (which makes its
@@ -314,7 +310,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                TMA_REST=cfg.scores_tma_rest, DIAG_ROWS=cfg.scores_diag_rows,
+                TMA_REST=cfg.scores_tma_rest,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )

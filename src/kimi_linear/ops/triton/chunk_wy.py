@@ -140,58 +140,11 @@ def diagonal_levels(
 
 
 @triton.jit
-def diagonal_rows(
-    q, k, gP, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-):
-    """:func:`diagonal_levels`' tiles (the diagonal 16x16 blocks of Aqk and Akk over the strong channel steps) by
-    exact per-pair factors on the CUDA cores, as fla forms its diagonal blocks: for each column j of the blocks,
-    ``A[i, j] = sum_c q_ic k_jc exp(gP_ic - gP_jc)`` for the rows i >= j of every block at once, with
-    ``gP_i - gP_j <= 0`` (a sum over the rows j+1 .. i of one sub-block), so nothing overflows at any gate and
-    every product is float32. Akk's diagonal (i = j) is formed too and dropped by :func:`store_scores`.
-
-    The chunk's q, k, gP tiles of a step are held as [NB, BC, BKS] (NB = BT // BC sub-blocks); row j of each
-    sub-block comes from a second load ([NB, BKS], L1 hits). Per column: one exponential per (row, channel) and two
-    reductions over the channels into column j of the [NB, BC, BC] accumulators."""
-    NB: tl.constexpr = BT // BC
-    o_b = tl.arange(0, NB)                                                 # [NB]
-    o_i = tl.arange(0, BC)                                                 # [BC]
-    b_dq = tl.zeros([NB, BC, BC], dtype=tl.float32)                       # [NB, BC (row i), BC (column j)]
-    b_dk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for c0 in range(0, K, BKS):
-        o_k = c0 + tl.arange(0, BKS)
-        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC):
-            b_P = tl.reshape(load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT), [NB, BC, BKS])
-            b_q = tl.reshape(load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), [NB, BC, BKS])
-            b_k = tl.reshape(load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), [NB, BC, BKS])
-            for j in range(BC):
-                r = t0 + o_b * BC + j                                      # [NB] row j of each sub-block
-                m_r = (r < T_n)[:, None]
-                b_kj = tl.load(k + ((bos + r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r,
-                               other=0.0).to(tl.float32)                   # [NB, BKS]
-                b_Pj = tl.load(gP + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_r,
-                               other=0.0)                                  # [NB, BKS]
-                # rows i >= j: the exponent is <= 0; elsewhere (and on rows past T_n, whose q and k are zero)
-                # it is clamped, then the factor is dropped
-                m_i = (o_i >= j)[None, :, None]                            # [1, BC, 1]
-                b_e = tl.where(m_i, fast_exp(tl.minimum(b_P - b_Pj[:, None, :], 0.0)), 0.0)   # [NB, BC, BKS]
-                b_ke = b_kj[:, None, :] * b_e                              # [NB, BC, BKS]
-                m_j = (o_i == j)[None, None, :]                            # [1, 1, BC] column j
-                b_dq = tl.where(m_j, b_dq + tl.sum(b_q * b_ke, 2)[:, :, None], b_dq)
-                b_dk = tl.where(m_j, b_dk + tl.sum(b_k * b_ke, 2)[:, :, None], b_dk)
-    # [NB, BC, BC] -> the diagonal blocks of [BT, BT]
-    m_b = (o_b[:, None, None, None] == o_b[None, None, :, None])          # [NB, 1, NB, 1]
-    b_aq = tl.reshape(tl.where(m_b, b_dq[:, :, None, :], 0.0), [BT, BT])
-    b_ak = tl.reshape(tl.where(m_b, b_dk[:, :, None, :], 0.0), [BT, BT])
-    return b_aq, b_ak
-
-
-@triton.jit
 def chunk_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr, DIAG_ROWS: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
 
@@ -217,10 +170,7 @@ def chunk_scores(
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        if DIAG_ROWS:
-            b_aq, b_ak = diagonal_rows(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS)
-        else:
-            b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -352,7 +302,6 @@ def chunk_kda_fwd_scores_kernel(
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
     TMA_REST: tl.constexpr,           # the descriptors in the other two paths too (LaunchConfig.scores_tma_rest)
-    DIAG_ROWS: tl.constexpr,          # strong steps' diagonal blocks by diagonal_rows (LaunchConfig.scores_diag_rows)
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -379,7 +328,7 @@ def chunk_kda_fwd_scores_kernel(
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                      BK, d_q, d_k, d_gP, TMA and TMA_REST, DIAG_ROWS)
+                                      BK, d_q, d_k, d_gP, TMA and TMA_REST)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
