@@ -446,17 +446,13 @@ def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
     o_i = tl.arange(0, BC)                                                 # [BC]
     b_eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)               # [BC, BC]
     b_T = tl.zeros([NB, BC, BC], dtype=tl.float32) + b_eye[None, :, :]     # [NB, BC, BC]
+    b_beta = tl.reshape(load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL), [NB, BC])
     for i in tl.static_range(1, BC):                                       # unrolled: every row's load issued early
         r = t0 + o_b * BC + i                                              # [NB] row i of each block
         m_a = (r < T_n)[:, None] & (o_i < i)[None, :]
         b_a = tl.load(Akk + ((bos + r) * HV + i_hv)[:, None] * BT + (o_b * BC)[:, None] + o_i[None, :],
                       mask=m_a, other=0.0)                                 # [NB, BC] A[i, m], m < i
-        # beta of row i of each block loaded for the step: picking it out of a [NB, BC] tile was a reduction, i.e.
-        # shuffles and a barrier in each of the 15 serial steps (offline sm_90, forward WY kernel: 173 -> 143
-        # barriers, 360 -> 180 shuffles; untimed)
-        b_bi = beta_transform(tl.load(beta + (bos + r) * HV + i_hv, mask=r < T_n, other=0.0).to(tl.float32),
-                              USE_BETA_SIGMOID, NEG_EIGVAL)                # [NB]
-        b_a = b_a * b_bi[:, None]                        # rows past T_n: b_a is 0 there, b_bi finite
+        b_a = b_a * tl.sum(tl.where(o_i[None, :] == i, b_beta, 0.0), 1)[:, None]
         b_row = -tl.sum(b_a[:, :, None] * b_T, 1)                          # [NB, BC]
         b_e = tl.where(o_i == i, 1.0, 0.0)                                # [BC] e_i
         b_T = tl.where((o_i == i)[None, :, None], b_row[:, None, :] + b_e[None, None, :], b_T)
