@@ -66,13 +66,13 @@ class LaunchConfig:
     # pointer loads, which it does not pipeline). H200: WY kernel 1.77 -> 1.64 ms, the backward's recompute 1.12 ->
     # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
     wy_tma: bool = True
-    # The same for the separable scores' q, k and gP tiles (chunk_wy.separable_scores); it needs scores_stages > 1
-    # to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound):
-    # scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65 lower_bound, outputs bit-identical; the full-size checks pass
+    # The same for the scores' q, k and gP tiles in all three paths (chunk_wy.separable_scores, halves_scores,
+    # chunk_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
+    # scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound): separable scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65
+    # lower_bound, outputs bit-identical; the full-size checks pass. In the other two paths (2026-12-02, offline
+    # sm_90: the sub-block launch 255 registers with 184 B of spills -> 247, none): strong decay's scores 3.67 ->
+    # 3.31 ms, the by-halves path 1.009 -> 1.018 (lower_bound saturated), the rest unchanged
     scores_tma: bool = True
-    # Experiment, untimed (2026-12-02): the descriptors in the other two score paths too (by halves, and the
-    # sub-block scheme that strong decay takes; chunk_wy.halves_scores, chunk_scores), outputs bit-identical
-    scores_tma_rest: bool = False
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64). Measured before the forward scan formed the output (which makes its
@@ -310,7 +310,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                TMA_REST=cfg.scores_tma_rest,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
             )

@@ -301,7 +301,6 @@ def chunk_kda_fwd_scores_kernel(
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
-    TMA_REST: tl.constexpr,           # the descriptors in the other two paths too (LaunchConfig.scores_tma_rest)
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -324,11 +323,11 @@ def chunk_kda_fwd_scores_kernel(
             bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
         if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                       d_q, d_k, d_gP, TMA and TMA_REST)
+                                       d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                      BK, d_q, d_k, d_gP, TMA and TMA_REST)
+                                      BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
