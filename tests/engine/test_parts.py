@@ -167,7 +167,7 @@ def test_runner_chunks_read_the_pool_in_place(model, monkeypatch):
 def test_resolved_defaults():
     cpu, gpu = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
     assert (cpu.prefill_chunk, cpu.max_num_batched_tokens, cpu.cuda_graphs) == (64, 64, False)
-    assert (gpu.prefill_chunk, gpu.max_num_batched_tokens, gpu.cuda_graphs) == (2048, 16384, True)
+    assert (gpu.prefill_chunk, gpu.max_num_batched_tokens, gpu.cuda_graphs) == (2048, 32768, True)
     assert EngineConfig(block_size=48).resolved("cuda").prefill_chunk == 2016
     with pytest.raises(ValueError, match="`max_num_batched_tokens`"):
         EngineConfig(max_num_batched_tokens=True).validate()  # type: ignore[arg-type]

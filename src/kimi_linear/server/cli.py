@@ -38,7 +38,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                         "states are snapshotted for prefix caching (default 64 on CPU, 2048 on a GPU)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step: decode rows plus prompt chunks, equal-length chunks "
-                        "batched in one forward (default: --prefill-chunk on CPU, 16384 on a GPU)")
+                        "batched in one forward (default: --prefill-chunk on CPU, 32768 on a GPU)")
     s.add_argument("--num-snapshots", type=int, default=None, help="KDA prefix snapshots (default 4 x seqs)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     s.add_argument("--dtype", default="auto",
