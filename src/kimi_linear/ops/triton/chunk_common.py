@@ -452,9 +452,9 @@ def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
         m_a = (r < T_n)[:, None] & (o_i < i)[None, :]
         b_a = tl.load(Akk + ((bos + r) * HV + i_hv)[:, None] * BT + (o_b * BC)[:, None] + o_i[None, :],
                       mask=m_a, other=0.0)                                 # [NB, BC] A[i, m], m < i
-        # beta picked out of the tile (a reduction in each serial step) is faster than loading it per step, which
-        # halves the step's barriers and shuffles (offline sm_90) but took the WY kernel from 1.555 to 1.585 ms
-        # (H200, 2026-12-02, 16 x 2048, every gate regime)
+        # beta picked out of its tile by a reduction in each serial step: loading it per step instead halves the
+        # WY kernel's barriers and shuffles (offline sm_90) but was slower on the H200 (1.585 against 1.555 ms,
+        # 16 x 2048, every gate regime, 2026-12-02)
         b_a = b_a * tl.sum(tl.where(o_i[None, :] == i, b_beta, 0.0), 1)[:, None]
         b_row = -tl.sum(b_a[:, :, None] * b_T, 1)                          # [NB, BC]
         b_e = tl.where(o_i == i, 1.0, 0.0)                                # [BC] e_i
