@@ -11,8 +11,8 @@ Backward: recompute (a)-(e), the scan storing h per chunk and vn instead of form
 :class:`Kept`: the forward's score matrices and inverse are kept, as fla keeps its own, so (b) and (c) are skipped;
 the per-chunk states are never kept), the reverse state scan (chunk_state.py), then five per-chunk kernels
 (chunk_bwd.py): products with the states and the WY factors' key side, the inverse and value side, the score
-matrices (per 16-row sub-block; optionally separable chunks whole), the gate's
-cumulative sum and formula, and q/k (GVA sum, l2norm).
+matrices (per 16-row sub-block; optionally separable chunks whole), the gate's cumulative sum and formula, and q/k
+(GVA sum, l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
 bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``
@@ -108,8 +108,8 @@ class LaunchConfig:
     bwd_regs: int = 0
 
     def __post_init__(self):
-        # Launches of the scores / WY kernels (and of the output kernel, since gone) with fewer than 4 warps hit an
-        # illegal address on the H200 (Triton 3.6, sweep of 2026-12-01; which kernel is not yet known): refused.
+        # Launches of these kernels with fewer than 4 warps hit an illegal address on the H200 (Triton 3.6, sweep
+        # of 2026-12-01; which kernel is not yet known), so they are refused here.
         for name in ("scores_warps", "wy_warps"):
             if getattr(self, name) < 4:
                 raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
