@@ -48,6 +48,32 @@ def test_limit_options():
     assert (got.max_body_bytes, got.max_json_depth, got.max_prompt_chars, got.max_connections) == (2**21, 8, 1000, 32)
     assert (got.timeout_request_head, got.shutdown_timeout, got.limit_concurrency, got.max_header_bytes) == \
         (2.5, 3, 64, 4096)
-    for bad in (("--max-json-depth", "1000"), ("--shutdown-timeout", "0"), ("--max-connections", "0")):
-        with pytest.raises(ValueError):
+    assert limits_from_args(parse("ckpt", "--backlog", "64")).backlog == 64
+    for bad, field in ((("--max-json-depth", "1000"), "max_json_depth"), (("--shutdown-timeout", "0"), "shutdown"),
+                       (("--max-connections", "0"), "max_connections"), (("--backlog", "0"), "backlog")):
+        with pytest.raises(ValueError, match=field):
             limits_from_args(parse("ckpt", *bad))
+
+
+@pytest.mark.parametrize("soft,hard", [(1024, 1024), (1024, 4096), (1024, 1 << 20), (200, 200), (80, 80),
+                                       (20000, 20000)])
+def test_connections_fit_the_open_file_limit(monkeypatch, soft, hard):
+    """A flood's descriptors (the cap, three accept batches, a reserve) fit the soft limit, raised towards the hard
+    one when short; only where the hard limit is short do the backlog and then the cap shrink, never below 1."""
+    import resource
+
+    from kimi_linear.server.connections import fit_open_file_limit, peak_descriptors
+
+    now = {"soft": soft}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (now["soft"], hard))
+
+    def setrlimit(_, limits):
+        assert limits[1] == hard and limits[0] <= hard
+        now["soft"] = limits[0]
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    conn, backlog = fit_open_file_limit(1024, 2048)
+    if peak_descriptors(1024, 2048) <= hard:
+        assert (conn, backlog) == (1024, 2048) and now["soft"] == max(soft, peak_descriptors(1024, 2048))
+    else:
+        assert now["soft"] == hard and 1 <= conn <= 1024 and 16 <= backlog < 2048
+        assert peak_descriptors(conn, backlog) <= hard or (conn == 1 and backlog == 16)

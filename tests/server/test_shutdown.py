@@ -55,8 +55,11 @@ def test_signal_drains_then_aborts(checkpoint, ref_model, sig):
                 httpx.get(s.url + "/health", timeout=2)
             except httpx.ConnectError:
                 break
-            except httpx.TimeoutException:
-                pass         # accepted before the socket closed, but the draining server (or a busy CPU) was slow
+            except (httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError):
+                # Queued before the listening socket closed: answered slowly by the draining server (or a busy
+                # CPU), or closed unanswered as uvicorn shuts idle connections (a client retries those). Either
+                # way not yet the refusal polled for.
+                pass
             time.sleep(0.05)
         else:
             pytest.fail("the server still accepted connections after the signal")

@@ -72,6 +72,11 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
                    help="open connections at most; at the cap a new one closes the oldest connection that holds no "
                         "request, or is answered 503 when all do (default "
                         f"{d.max_connections}, lowered to fit the open-file limit)")
+    g.add_argument("--backlog", type=int, default=d.backlog,
+                   help="the listening socket's queue, and the most connections accepted in one event-loop turn: "
+                        "a flood holds up to --max-connections + 3 x this many descriptors until the cap closes its "
+                        "sockets; smaller makes new clients wait for SYN retransmissions during a flood (default "
+                        f"{d.backlog}, uvicorn's; the soft open-file limit is raised to fit both, or they are lowered)")
     g.add_argument("--timeout-request-head", type=float, default=d.timeout_request_head,
                    help="seconds a connection has to send a complete request head, however it trickles "
                         f"(default {d.timeout_request_head:g})")
@@ -95,32 +100,33 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def limits_from_args(args: argparse.Namespace) -> Any:
+    """The server's limits from the parsed options, each checked (a bad one raises ValueError naming it); the
+    connection cap and the backlog then fitted to the open-file limit (:func:`.connections.fit_open_file_limit`)."""
+    import dataclasses
+
     from kimi_linear.engine import parse_bytes
 
+    from .connections import fit_open_file_limit
     from .limits import ServerLimits
 
-    max_conn = args.max_connections
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if soft != resource.RLIM_INFINITY and max_conn > soft - 64:
-            max_conn = max(1, soft - 64)     # model files, the listening socket, threads' descriptors
-    except (ImportError, OSError, ValueError):
-        pass
     try:
         body = parse_bytes(args.max_body_bytes)
     except ValueError:
         raise ValueError(f"`--max-body-bytes` must be a size like 16MiB or 1000000, got {args.max_body_bytes!r}"
                          ) from None
-    return ServerLimits(
+    lim = ServerLimits(
         max_body_bytes=body, max_json_depth=args.max_json_depth,
         max_prompt_chars=args.max_prompt_chars, timeout_request_body=args.timeout_request_body,
-        max_connections=max_conn, timeout_request_head=args.timeout_request_head,
+        max_connections=args.max_connections, backlog=args.backlog, timeout_request_head=args.timeout_request_head,
         timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
         max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
     ).validate()
+    try:
+        max_conn, backlog = fit_open_file_limit(lim.max_connections, lim.backlog)
+    except ImportError:         # no `resource` module (Windows): the limits stand as given
+        return lim
+    return dataclasses.replace(lim, max_connections=max_conn, backlog=backlog)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -197,7 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level,
         http=guarded_h11(lim.max_connections, lim.timeout_request_head),
         limit_concurrency=lim.limit_concurrency, timeout_keep_alive=lim.timeout_keep_alive,
-        h11_max_incomplete_event_size=lim.max_header_bytes,
+        h11_max_incomplete_event_size=lim.max_header_bytes, backlog=lim.backlog,
         # A backstop only: the app aborts what still runs after --shutdown-timeout, which ends every response.
         timeout_graceful_shutdown=int(lim.shutdown_timeout) + 10,
     )

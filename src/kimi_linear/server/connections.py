@@ -12,6 +12,14 @@ on every byte): ~20,000 such sockets exhaust the file descriptors. :func:`guarde
 - ``timeout_request_head``: a connection must deliver a complete request head within this many seconds of
   connecting (or of its previous response), however slowly it trickles, or it is closed.
 
+The cap bounds connections the protocol has seen, not descriptors: asyncio accepts up to ``backlog`` sockets in
+one event-loop turn, creates their transports a turn later and calls ``connection_made`` (where the cap evicts) a
+turn after that, and a closed transport frees its descriptor one more turn on. So while a flood arrives, three
+accept batches can be descriptors beside the ``max_connections`` admitted ones; once the loop catches up the
+flood's sockets are closed. :func:`fit_open_file_limit` sizes both to the process's open-file limit. A large
+``backlog`` is still the better default: a smaller one makes the kernel drop new connections' SYNs during a flood,
+and a real client then waits a second or more for its retransmission before the cap can admit it.
+
 Log lines about refusals (ours and uvicorn's "Exceeded concurrency limit." / "Invalid HTTP request received.",
 asyncio's accept errors, 503 access lines) go through :class:`RateLimitFilter`: the first per kind every
 ``period`` seconds, then one line saying how many were suppressed.
@@ -74,6 +82,39 @@ def install_log_rate_limit(period: float = 10.0) -> RateLimitFilter:
     for name in ("uvicorn.error", "uvicorn.access", "asyncio", "kimi_linear.server"):
         logging.getLogger(name).addFilter(f)
     return f
+
+
+RESERVED_DESCRIPTORS = 64     # the model's files, the listening socket, threads, /proc reads, logs
+
+
+def peak_descriptors(max_connections: int, backlog: int) -> int:
+    """Descriptors the server may hold during a connection flood (see the module docstring): the admitted
+    connections, three accept batches of up to ``backlog + 1`` sockets (Linux queues one more than asked) and a
+    reserve for everything else."""
+    return max_connections + 3 * (backlog + 1) + RESERVED_DESCRIPTORS
+
+
+def fit_open_file_limit(max_connections: int, backlog: int) -> tuple[int, int]:
+    """``(max_connections, backlog)`` that fit the process's open-file limit, raising its soft limit towards the
+    hard one first when it is short (as Go's runtime does at start): a flood then gets asyncio's EMFILE pause at
+    worst, never a failed open elsewhere in the server. Where even the hard limit is short, the backlog shrinks
+    first (to a quarter of what is left, at least 16), then the connection cap."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = peak_descriptors(max_connections, backlog)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        want = need if hard == resource.RLIM_INFINITY else min(hard, need)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections, backlog
+    room = max(1, soft - RESERVED_DESCRIPTORS)
+    backlog = min(backlog, max(16, room // 4 // 3))
+    return max(1, min(max_connections, room - 3 * (backlog + 1))), backlog
 
 
 def _refusal_bytes(max_connections: int) -> bytes:

@@ -21,7 +21,7 @@ class ServerLimits:
         ``context_length_exceeded`` without being tokenized. None: derived from the model and tokenizer by
         :func:`prompt_char_bound` (no prompt that fits the context is ever that long).
     timeout_request_body: seconds a client has to send its whole body once the head is in (408 after).
-    max_connections, timeout_request_head: see :mod:`.connections`.
+    max_connections, backlog, timeout_request_head: see :mod:`.connections`.
     timeout_keep_alive: uvicorn's: idle seconds before a keep-alive connection is closed.
     max_header_bytes: uvicorn's ``h11_max_incomplete_event_size``: a request head still incomplete past this many
         bytes gets 400.
@@ -40,6 +40,7 @@ class ServerLimits:
     max_prompt_chars: int | None = None
     timeout_request_body: float = 30.0
     max_connections: int = 1024
+    backlog: int = 2048
     timeout_request_head: float = 10.0
     timeout_keep_alive: int = 5
     max_header_bytes: int = 16 * 1024
@@ -49,7 +50,7 @@ class ServerLimits:
     max_scored_prompt_tokens: int = 262_144
 
     def validate(self) -> ServerLimits:
-        for name in ("max_body_bytes", "max_connections", "max_header_bytes", "max_prompts_per_request",
+        for name in ("max_body_bytes", "max_connections", "backlog", "max_header_bytes", "max_prompts_per_request",
                      "max_scored_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
