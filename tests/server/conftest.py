@@ -102,6 +102,49 @@ def stop_server(s: Server) -> None:
         s.proc.kill()
 
 
+def flood(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections, every other one with an unfinished request head; non-blocking."""
+    socks = []
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.setblocking(False)
+        if i % 2:
+            try:
+                s.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # an unfinished request head
+            except OSError:
+                pass
+        socks.append(s)
+    return socks
+
+
+def open_fds(pid: int) -> int:
+    """Open file descriptors of process ``pid``."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def all_closed_by_server(socks: list[socket.socket]) -> None:
+    """Every socket gets closed by the server (evicted, or its head deadline passed): EOF or a reset."""
+    open_ = list(socks)
+    for _ in range(300):
+        still = []
+        for s in open_:
+            try:
+                if s.recv(4096):
+                    still.append(s)
+            except BlockingIOError:
+                still.append(s)
+            except OSError:
+                pass
+        open_ = still
+        if not open_:
+            break
+        time.sleep(0.1)
+    for s in socks:
+        s.close()
+    assert not open_, f"{len(open_)} flood sockets still open"
+
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
     """16 slots, default pool; prefill chunk 16 so KDA snapshots land on every block boundary."""

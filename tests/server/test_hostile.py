@@ -20,7 +20,7 @@ import pytest
 from kimi_linear.model.default import resolve_model
 from kimi_linear.server.memory import rss_bytes
 
-from .conftest import start_server, stop_server
+from .conftest import all_closed_by_server, flood, open_fds, start_server, stop_server
 
 KEY = "KEY"
 MAX_CONNECTIONS = 24
@@ -259,26 +259,7 @@ def _settled_rss(pid: int) -> int:
     return min(seen)
 
 
-def _flood(port: int, n: int) -> list[socket.socket]:
-    """``n`` connections, every other one with an unfinished request head; non-blocking."""
-    socks = []
-    for i in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=30)
-        s.setblocking(False)
-        if i % 2:
-            try:
-                s.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # an unfinished request head
-            except OSError:
-                pass
-        socks.append(s)
-    return socks
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def test_connection_flood(srv):
+def test_connectionflood(srv):
     """A few hundred idle or trickling sockets against --max-connections 24: once the event loop has caught up
     with the flood the server holds no more descriptors than the cap allows, a new client still gets through (the
     oldest connection holding no request makes room), every flood socket is closed by the server within
@@ -290,9 +271,9 @@ def test_connection_flood(srv):
     socket has been admitted or closed."""
     pid = srv.proc.pid
     port = int(srv.url.rsplit(":", 1)[1])
-    fds_idle = _fds(pid)
+    fds_idle = open_fds(pid)
     _read_log(srv)
-    socks = _flood(port, 300)
+    socks = flood(port, 300)
     settled = []
 
     def trickle_and_ask():
@@ -304,70 +285,17 @@ def test_connection_flood(srv):
                     pass
             assert srv.http.get("/v1/models").status_code == 200
             if i:
-                settled.append(_fds(pid))
+                settled.append(open_fds(pid))
             time.sleep(0.1)
 
     beside(srv, trickle_and_ask)
     assert max(settled) <= fds_idle + MAX_CONNECTIONS + 8, (fds_idle, settled)
     # Every flood socket gets closed by the server (evicted, or its head deadline passed): EOF or a reset.
-    _all_closed_by_server(socks)
+    all_closed_by_server(socks)
     log = _read_log(srv)
     lines = [x for x in log.splitlines() if "connection" in x]
     assert len(lines) <= 6, log[-2000:]       # ~290 refusals: one line per kind per 10 s (or none, if one was
     #                                             logged just before)
-
-
-def _all_closed_by_server(socks: list[socket.socket]) -> None:
-    """Every socket gets closed by the server (evicted, or its head deadline passed): EOF or a reset."""
-    open_ = list(socks)
-    for _ in range(300):
-        still = []
-        for s in open_:
-            try:
-                if s.recv(4096):
-                    still.append(s)
-            except BlockingIOError:
-                still.append(s)
-            except OSError:
-                pass
-        open_ = still
-        if not open_:
-            break
-        time.sleep(0.1)
-    for s in socks:
-        s.close()
-    assert not open_, f"{len(open_)} flood sockets still open"
-
-
-def test_flood_peak_descriptors_bounded_by_backlog():
-    """While a flood arrives, the server's descriptors stay within the cap plus three accept batches of
-    --backlog + 1 sockets (connections.peak_descriptors): with --backlog 8 and --max-connections 8, 300 sockets
-    never become 300 descriptors at once. (The shared server keeps the default backlog: a small one makes new
-    clients wait for SYN retransmissions during a flood, which the /health poller would see.)"""
-    from kimi_linear.server.connections import RESERVED_DESCRIPTORS, peak_descriptors
-
-    s = start_server(resolve_model(None), "--max-connections", "8", "--backlog", "8", "--timeout-request-head", "2")
-    try:
-        pid = s.proc.pid
-        fds_idle = _fds(pid)
-        most, stop = [0], threading.Event()
-
-        def sample():
-            while not stop.is_set():
-                most[0] = max(most[0], _fds(pid))
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            socks = _flood(int(s.url.rsplit(":", 1)[1]), 300)
-            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
-        finally:
-            stop.set()
-            sampler.join()
-        bound = fds_idle + peak_descriptors(8, 8) - RESERVED_DESCRIPTORS
-        assert most[0] <= bound, (fds_idle, most[0], bound)
-        _all_closed_by_server(socks)
-    finally:
-        stop_server(s)
 
 
 def _read_log(srv) -> str:
