@@ -49,8 +49,10 @@ def test_limit_options():
     assert (got.timeout_request_head, got.shutdown_timeout, got.limit_concurrency, got.max_header_bytes) == \
         (2.5, 3, 64, 4096)
     assert limits_from_args(parse("ckpt", "--backlog", "64")).backlog == 64
+    assert d.timeout_send == 60 and limits_from_args(parse("ckpt", "--timeout-send", "7.5")).timeout_send == 7.5
     for bad, field in ((("--max-json-depth", "1000"), "max_json_depth"), (("--shutdown-timeout", "0"), "shutdown"),
-                       (("--max-connections", "0"), "max_connections"), (("--backlog", "0"), "backlog")):
+                       (("--max-connections", "0"), "max_connections"), (("--backlog", "0"), "backlog"),
+                       (("--timeout-send", "0"), "timeout_send")):
         with pytest.raises(ValueError, match=field):
             limits_from_args(parse("ckpt", *bad))
 

@@ -80,6 +80,10 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-request-head", type=float, default=d.timeout_request_head,
                    help="seconds a connection has to send a complete request head, however it trickles "
                         f"(default {d.timeout_request_head:g})")
+    g.add_argument("--timeout-send", type=float, default=d.timeout_send,
+                   help="seconds a client may read nothing of a pending response before its connection is cut "
+                        f"(nginx's send_timeout; a slow reader that keeps reading is never cut) (default "
+                        f"{d.timeout_send:g})")
     g.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
                    help=f"uvicorn's: idle keep-alive seconds (default {d.timeout_keep_alive})")
     g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
@@ -118,6 +122,7 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         max_body_bytes=body, max_json_depth=args.max_json_depth,
         max_prompt_chars=args.max_prompt_chars, timeout_request_body=args.timeout_request_body,
         max_connections=args.max_connections, backlog=args.backlog, timeout_request_head=args.timeout_request_head,
+        timeout_send=args.timeout_send,
         timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
         max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
@@ -201,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
     lim = state.limits
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        http=guarded_h11(lim.max_connections, lim.timeout_request_head),
+        http=guarded_h11(lim.max_connections, lim.timeout_request_head, lim.timeout_send),
         limit_concurrency=lim.limit_concurrency, timeout_keep_alive=lim.timeout_keep_alive,
         h11_max_incomplete_event_size=lim.max_header_bytes, backlog=lim.backlog,
         # A backstop only: the app aborts what still runs after --shutdown-timeout, which ends every response.

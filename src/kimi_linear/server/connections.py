@@ -11,6 +11,15 @@ on every byte): ~20,000 such sockets exhaust the file descriptors. :func:`guarde
   JSON) and closed at once.
 - ``timeout_request_head``: a connection must deliver a complete request head within this many seconds of
   connecting (or of its previous response), however slowly it trickles, or it is closed.
+- ``timeout_send``: a client that reads nothing of a pending response for this many seconds is cut off (nginx's
+  ``send_timeout``). A response is written to the transport whole, so one that the socket cannot take waits in
+  memory until the client reads it: an echoed prompt with 20 alternatives per token is ~560 bytes a token, up to
+  ~150 MB for the largest request ``--max-scored-prompt-tokens`` allows, held for as long as a stalled client keeps
+  its connection open. While the transport's buffer is above its high-water mark, a timer checks every
+  ``timeout_send`` seconds that the bytes still to send (the transport's buffer and, on Linux, the socket's send
+  queue: the transport only refills the socket once a third of its buffer, MBs on loopback, has drained) have
+  shrunk; if not, the connection is aborted, which frees the buffer (and, for a stream still running, ends its
+  request). A slow reader that keeps reading is never cut.
 
 The cap bounds connections the protocol has seen, not descriptors: asyncio accepts up to ``backlog`` sockets in
 one event-loop turn, creates their transports a turn later and calls ``connection_made`` (where the cap evicts) a
@@ -37,7 +46,8 @@ from typing import Any
 log = logging.getLogger("kimi_linear.server")
 
 REFUSAL_MESSAGES = ("Exceeded concurrency limit.", "Invalid HTTP request received.",
-                    "socket.accept() out of system resource", "refused a connection", "closed a connection")
+                    "socket.accept() out of system resource", "refused a connection", "closed a connection",
+                    "cut off a client")
 
 
 class RateLimitFilter(logging.Filter):
@@ -117,6 +127,23 @@ def fit_open_file_limit(max_connections: int, backlog: int) -> tuple[int, int]:
     return max(1, min(max_connections, room - 3 * (backlog + 1))), backlog
 
 
+def unsent_bytes(transport: Any) -> int:
+    """Bytes a transport still has to deliver: its own buffer plus, where the platform tells (Linux's SIOCOUTQ),
+    the socket's send queue (unsent and unacknowledged)."""
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            import fcntl
+            import struct
+            import termios
+
+            size += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (ImportError, OSError, AttributeError):
+            pass
+    return size
+
+
 def _refusal_bytes(max_connections: int) -> bytes:
     body = json.dumps({"error": {
         "message": f"the server has {max_connections} connections open, each with a request in progress "
@@ -126,9 +153,9 @@ def _refusal_bytes(max_connections: int) -> bytes:
             b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
-    """A subclass of uvicorn's h11 protocol with a cap on open connections and a request-head deadline (see the
-    module docstring); pass it as ``uvicorn.Config(http=...)``."""
+def guarded_h11(max_connections: int, timeout_request_head: float, timeout_send: float) -> type:
+    """A subclass of uvicorn's h11 protocol with a cap on open connections, a request-head deadline and a send
+    timeout (see the module docstring); pass it as ``uvicorn.Config(http=...)``."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -142,6 +169,7 @@ def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
     class GuardedH11Protocol(H11Protocol):
         _refused = False
         _head_timer: Any = None
+        _send_timer: Any = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             if len(live) >= max_connections and not self._evict_oldest_waiting():
@@ -188,6 +216,36 @@ def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
                             "(--timeout-request-head)", timeout_request_head)
                 self.transport.close()
 
+        def pause_writing(self) -> None:
+            """The transport's buffer passed its high-water mark: watch that the client drains it."""
+            super().pause_writing()
+            self._watch_send(unsent_bytes(self.transport))
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stop_send_timer()
+
+        def _watch_send(self, size: int) -> None:
+            self._stop_send_timer()
+            self._send_timer = self.loop.call_later(timeout_send, self._check_send, size)
+
+        def _stop_send_timer(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _check_send(self, size: int) -> None:
+            self._send_timer = None
+            if self.transport.is_closing():
+                return
+            now = unsent_bytes(self.transport)
+            if now < size:                   # the client read something: watch on
+                self._watch_send(now)
+                return
+            log.warning("cut off a client that read nothing of its response in %g s (%d bytes waiting; "
+                        "--timeout-send)", timeout_send, now)
+            self.transport.abort()
+
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
@@ -214,6 +272,7 @@ def guarded_h11(max_connections: int, timeout_request_head: float) -> type:
             waiting.pop(self, None)
             live.discard(self)
             self._stop_head_timer()
+            self._stop_send_timer()
             if self._refused:
                 return
             super().connection_lost(exc)

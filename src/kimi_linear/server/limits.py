@@ -21,7 +21,7 @@ class ServerLimits:
         ``context_length_exceeded`` without being tokenized. None: derived from the model and tokenizer by
         :func:`prompt_char_bound` (no prompt that fits the context is ever that long).
     timeout_request_body: seconds a client has to send its whole body once the head is in (408 after).
-    max_connections, backlog, timeout_request_head: see :mod:`.connections`.
+    max_connections, backlog, timeout_request_head, timeout_send: see :mod:`.connections`.
     timeout_keep_alive: uvicorn's: idle seconds before a keep-alive connection is closed.
     max_header_bytes: uvicorn's ``h11_max_incomplete_event_size``: a request head still incomplete past this many
         bytes gets 400.
@@ -42,6 +42,7 @@ class ServerLimits:
     max_connections: int = 1024
     backlog: int = 2048
     timeout_request_head: float = 10.0
+    timeout_send: float = 60.0
     timeout_keep_alive: int = 5
     max_header_bytes: int = 16 * 1024
     limit_concurrency: int | None = None
@@ -56,7 +57,8 @@ class ServerLimits:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.max_json_depth <= 512:
             raise ValueError(f"`max_json_depth` must be in [1, 512], got {self.max_json_depth}")
-        for name in ("timeout_request_body", "timeout_request_head", "timeout_keep_alive", "shutdown_timeout"):
+        for name in ("timeout_request_body", "timeout_request_head", "timeout_send", "timeout_keep_alive",
+                     "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be > 0 seconds, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
