@@ -15,7 +15,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kimi_linear.engine.background import EngineLoop
 from kimi_linear.engine.sequence import RequestOutput
 
+from .budget import PendingTokens, default_limit
 from .limits import BodyLimitMiddleware, ServerLimits, prompt_char_bound
 from .memory import malloc_trim
 from .metrics import render_metrics
@@ -63,6 +65,9 @@ class ServerState:
         self.limits = (limits or ServerLimits()).validate()
         self.max_prompt_chars = self.limits.max_prompt_chars or (
             prompt_char_bound(tokenizer, loop.engine.max_context) if tokenizer is not None else None)
+        e = loop.engine
+        self.pending = PendingTokens(self.limits.max_pending_tokens or default_limit(
+            e.token_capacity(), e.cfg.max_num_seqs, e.max_context))
         # Parsing, validation and tokenization of a request body (up to --max-body-bytes) run here, not on the
         # event loop, so /health and the token streams of other requests never wait for them.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kimi-linear-http")
@@ -184,7 +189,9 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(state.loop.stats(), time.monotonic() - state.started),
+        stats = {**state.loop.stats(), "pending_prompt_tokens": state.pending.used,
+                 "pending_prompt_tokens_limit": state.pending.limit}
+        return PlainTextResponse(render_metrics(stats, time.monotonic() - state.started),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -381,15 +388,18 @@ async def _serve(state: ServerState, prep: Prepared, request: Request) -> Respon
     engine = state.loop.engine
     reqs = [(r, ids, replace(params, max_tokens=max(engine.max_context - len(ids), 0)) if params.max_tokens < 0
              else params) for r, ids in zip(rids, prep.prompts)]
+    release = state.pending.admit(sum(map(len, prep.prompts)))
     gen = state.loop.generate_many(reqs)
     if req.stream:
-        return StreamingResponse(_sse(state, prep, gen, rid, rids, created), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        stream = _sse(state, prep, gen, rid, rids, created, release)
+        weakref.finalize(stream, release)     # a stream never started (its client gone first) never ends itself
+        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     state.active.update(rids)
     try:
         got = await _collect(gen, request)
     finally:
         state.active.difference_update(rids)
+        release()
     if got is None:                       # the client went away: the requests were aborted, nobody reads this
         return Response(status_code=499)
     outs: list[list[RequestOutput]] = [[] for _ in rids]
@@ -461,7 +471,7 @@ async def _collect(gen: AsyncIterator[tuple[int, RequestOutput]], request: Reque
 
 
 async def _sse(state: ServerState, prep: Prepared, gen: AsyncIterator[tuple[int, RequestOutput]], rid: str,
-               rids: list[str], created: int) -> AsyncIterator[bytes]:
+               rids: list[str], created: int, release: Callable[[], None]) -> AsyncIterator[bytes]:
     req, chat = prep.req, prep.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": rid, "object": obj, "created": created, "model": state.model_name}
@@ -492,6 +502,7 @@ async def _sse(state: ServerState, prep: Prepared, gen: AsyncIterator[tuple[int,
     finally:
         state.active.difference_update(rids)
         await gen.aclose()        # runs its `finally`: requests not finished (client gone) are aborted
+        release()
     if req.include_usage and lasts:
         yield event({**base, "choices": [], "usage": _usage(list(lasts.values()))})
     yield b"data: [DONE]\n\n"

@@ -98,6 +98,10 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-scored-prompt-tokens", type=int, default=d.max_scored_prompt_tokens,
                    help="prompt tokens one request may have scored (`echo` with `logprobs`), over all its prompts: "
                         f"400 beyond (default {d.max_scored_prompt_tokens})")
+    g.add_argument("--max-pending-tokens", type=int, default=None,
+                   help="prompt tokens of all requests in progress together (each held as token lists until its "
+                        "request ends): a request that would pass it gets 503 server_overloaded with Retry-After "
+                        "(default: 4 x what the cache holds at once, at least 4,194,304)")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted "
                         f"(streams end with an error event) (default {d.shutdown_timeout:g})")
@@ -126,6 +130,7 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
         max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
+        max_pending_tokens=args.max_pending_tokens,
     ).validate()
     try:
         max_conn, backlog = fit_open_file_limit(lim.max_connections, lim.backlog)

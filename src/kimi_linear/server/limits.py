@@ -33,6 +33,8 @@ class ServerLimits:
         prompt is a request to the engine).
     max_scored_prompt_tokens: prompt tokens whose log-probs one request may ask for (``echo`` with ``logprobs``),
         summed over its prompts: 400 beyond (each comes back as a JSON entry with its alternatives).
+    max_pending_tokens: prompt tokens of all requests in progress together; a request that would pass it gets 503
+        ``server_overloaded`` (:mod:`.budget`). None: :func:`.budget.default_limit` of the engine.
     """
 
     max_body_bytes: int = 16 * MiB
@@ -49,6 +51,7 @@ class ServerLimits:
     shutdown_timeout: float = 30.0
     max_prompts_per_request: int = 256
     max_scored_prompt_tokens: int = 262_144
+    max_pending_tokens: int | None = None
 
     def validate(self) -> ServerLimits:
         for name in ("max_body_bytes", "max_connections", "backlog", "max_header_bytes", "max_prompts_per_request",
@@ -63,6 +66,8 @@ class ServerLimits:
                 raise ValueError(f"`{name}` must be > 0 seconds, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"`max_prompt_chars` must be >= 1, got {self.max_prompt_chars}")
+        if self.max_pending_tokens is not None and self.max_pending_tokens < 1:
+            raise ValueError(f"`max_pending_tokens` must be >= 1, got {self.max_pending_tokens}")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
             raise ValueError(f"`limit_concurrency` must be >= 1, got {self.limit_concurrency}")
         return self

@@ -11,6 +11,8 @@ GAUGES = {
     "mla_blocks_cached_free": "unreferenced MLA blocks kept for prefix reuse (evictable)",
     "mla_blocks_total": "MLA latent blocks in the pool",
     "generation_tokens_per_s": "generated tokens per second over the last 10 s",
+    "pending_prompt_tokens": "prompt tokens of the requests in progress (server-wide budget, --max-pending-tokens)",
+    "pending_prompt_tokens_limit": "the --max-pending-tokens budget",
 }
 COUNTERS = {
     "prompt_tokens": "prompt tokens received",
