@@ -4,13 +4,15 @@ every way a request ends (finished, client gone mid-stream, non-streaming) gives
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from kimi_linear.server.budget import DEFAULT_FLOOR, PendingTokens, default_limit
+from kimi_linear.server.budget import DEFAULT_FLOOR, default_limit, pending_tokens
 from kimi_linear.server.protocol import APIError
 
 from .conftest import start_server, stop_server
@@ -19,7 +21,7 @@ LIMIT = 5000
 
 
 def test_pending_tokens_admit_and_release():
-    p = PendingTokens(100)
+    p = pending_tokens(100)
     r1 = p.admit(60)
     r2 = p.admit(40)                                  # exactly at the limit
     with pytest.raises(APIError) as e:
@@ -100,3 +102,34 @@ def test_over_the_budget_gets_503_then_room_again(srv):
                                                        "max_tokens": 1}, timeout=120)
     assert r.status_code == 200, r.text                     # 4,500 together: room again
     assert pending(srv) == 0
+
+
+def test_bodies_read_and_not_parsed_are_bounded(checkpoint):
+    """--max-pending-body-bytes 1MiB: a body declared at 800 KB and still arriving holds its bytes, so a 500 KB body
+    beside it gets 503 at once; once the first is parsed (its stream running on), the same 500 KB body is served."""
+    s = start_server(checkpoint, "--max-num-seqs", "2", "--max-pending-body-bytes", "1MiB")
+    try:
+        port = int(s.url.rsplit(":", 1)[1])
+        slow_body = json.dumps({"model": "tiny", "prompt": "x" * 10, "max_tokens": 3000, "ignore_eos": True,
+                                "stream": True, "pad": "y" * 800_000}).encode()
+        c = socket.create_connection(("127.0.0.1", port), timeout=60)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: "
+                  + str(len(slow_body)).encode() + b"\r\n\r\n" + slow_body[:1000])
+        body = {"model": "tiny", "prompt": "x" * 10, "max_tokens": 1, "pad": "z" * 500_000}
+        for _ in range(100):                        # polled until the slow body's head has been read
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            if r.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "server_overloaded" and "--max-pending-body-bytes" in err["message"]
+        assert r.headers["retry-after"] == "1"
+        c.sendall(slow_body[1000:])
+        assert c.recv(64).startswith(b"HTTP/1.1 200")         # parsed (unknown fields are ignored): streaming
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert s.metrics()["running"] == 1                    # the stream still runs: its body was given back early
+        c.close()
+    finally:
+        stop_server(s)

@@ -28,8 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kimi_linear.engine.background import EngineLoop
 from kimi_linear.engine.sequence import RequestOutput
 
-from .budget import PendingTokens, default_limit
-from .limits import BodyLimitMiddleware, ServerLimits, prompt_char_bound
+from .budget import default_limit, pending_body_bytes, pending_tokens
+from .limits import RELEASE_BODY, BodyLimitMiddleware, ServerLimits, prompt_char_bound
 from .memory import malloc_trim
 from .metrics import render_metrics
 from .protocol import (
@@ -66,7 +66,7 @@ class ServerState:
         self.max_prompt_chars = self.limits.max_prompt_chars or (
             prompt_char_bound(tokenizer, loop.engine.max_context) if tokenizer is not None else None)
         e = loop.engine
-        self.pending = PendingTokens(self.limits.max_pending_tokens or default_limit(
+        self.pending = pending_tokens(self.limits.max_pending_tokens or default_limit(
             e.token_capacity(), e.cfg.max_num_seqs, e.max_context))
         # Parsing, validation and tokenization of a request body (up to --max-body-bytes) run here, not on the
         # event loop, so /health and the token streams of other requests never wait for them.
@@ -177,7 +177,8 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     # Outermost first: the API key (cheap), then the body size / time limit, then the routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_body_bytes,
-                       timeout=state.limits.timeout_request_body)
+                       timeout=state.limits.timeout_request_body,
+                       pending=pending_body_bytes(state.limits.max_pending_body_bytes))
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -225,12 +226,15 @@ class Prepared:
 async def _handle(state: ServerState, request: Request, chat: bool) -> Response:
     state.check_admitting()
     state.used = True
-    raw = await request.body()
+    # Read from the stream, not request.body(), which would keep the bytes on the request until it ends.
+    raw = b"".join([chunk async for chunk in request.stream()])
     state.preparing += 1
     try:
         prep = await state.offload(prepare, state, raw, chat)
     finally:
         state.preparing -= 1
+        del raw
+        request.scope.get(RELEASE_BODY, lambda: None)()      # parsed: its bytes no longer count
     state.check_admitting()
     return await _serve(state, prep, request)
 

@@ -98,6 +98,9 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-scored-prompt-tokens", type=int, default=d.max_scored_prompt_tokens,
                    help="prompt tokens one request may have scored (`echo` with `logprobs`), over all its prompts: "
                         f"400 beyond (default {d.max_scored_prompt_tokens})")
+    g.add_argument("--max-pending-body-bytes", default=str(d.max_pending_body_bytes),
+                   help="bytes of request bodies read and not yet parsed, all requests together, e.g. 256MiB: 503 "
+                        f"server_overloaded beyond (default {d.max_pending_body_bytes // 2**20} MiB)")
     g.add_argument("--max-pending-tokens", type=int, default=None,
                    help="prompt tokens of all requests in progress together (each held as token lists until its "
                         "request ends): a request that would pass it gets 503 server_overloaded with Retry-After "
@@ -117,13 +120,16 @@ def limits_from_args(args: argparse.Namespace) -> Any:
     from .connections import fit_open_file_limit
     from .limits import ServerLimits
 
-    try:
-        body = parse_bytes(args.max_body_bytes)
-    except ValueError:
-        raise ValueError(f"`--max-body-bytes` must be a size like 16MiB or 1000000, got {args.max_body_bytes!r}"
-                         ) from None
+    sizes = {}
+    for name in ("max_body_bytes", "max_pending_body_bytes"):
+        try:
+            sizes[name] = parse_bytes(getattr(args, name))
+        except ValueError:
+            raise ValueError(f"`--{name.replace('_', '-')}` must be a size like 16MiB or 1000000, got "
+                             f"{getattr(args, name)!r}") from None
     lim = ServerLimits(
-        max_body_bytes=body, max_json_depth=args.max_json_depth,
+        max_body_bytes=sizes["max_body_bytes"], max_pending_body_bytes=sizes["max_pending_body_bytes"],
+        max_json_depth=args.max_json_depth,
         max_prompt_chars=args.max_prompt_chars, timeout_request_body=args.timeout_request_body,
         max_connections=args.max_connections, backlog=args.backlog, timeout_request_head=args.timeout_request_head,
         timeout_send=args.timeout_send,

@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .budget import Budget
+from .protocol import APIError
 
 MiB = 2**20
 
@@ -35,6 +39,8 @@ class ServerLimits:
         summed over its prompts: 400 beyond (each comes back as a JSON entry with its alternatives).
     max_pending_tokens: prompt tokens of all requests in progress together; a request that would pass it gets 503
         ``server_overloaded`` (:mod:`.budget`). None: :func:`.budget.default_limit` of the engine.
+    max_pending_body_bytes: bytes of request bodies read and not yet parsed, all requests together: 503
+        ``server_overloaded`` beyond (:mod:`.budget`).
     """
 
     max_body_bytes: int = 16 * MiB
@@ -52,10 +58,11 @@ class ServerLimits:
     max_prompts_per_request: int = 256
     max_scored_prompt_tokens: int = 262_144
     max_pending_tokens: int | None = None
+    max_pending_body_bytes: int = 256 * MiB
 
     def validate(self) -> ServerLimits:
-        for name in ("max_body_bytes", "max_connections", "backlog", "max_header_bytes", "max_prompts_per_request",
-                     "max_scored_prompt_tokens"):
+        for name in ("max_body_bytes", "max_pending_body_bytes", "max_connections", "backlog", "max_header_bytes",
+                     "max_prompts_per_request", "max_scored_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.max_json_depth <= 512:
@@ -86,25 +93,32 @@ def prompt_char_bound(tokenizer: Any, max_context: int) -> int:
     return max_context * max(longest, 1) * factor
 
 
-def _error(status: int, message: str, code: str) -> tuple[dict, bytes]:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> tuple[dict, bytes]:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]}
+                         (b"connection", b"close")] + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]}
     return start, body
+
+
+RELEASE_BODY = "kimi_linear.release_body"    # scope key: the app calls it once it has parsed the body
 
 
 class BodyLimitMiddleware:
     """Reads a request's body before the app sees it: 413 past ``max_bytes`` (from Content-Length when the client
-    sends one, so a 50 MB upload is refused before it is read), 408 when it takes longer than ``timeout``. The
-    app then gets the body in one message and the client's later messages (disconnect) as they come."""
+    sends one, so a 50 MB upload is refused before it is read), 408 when it takes longer than ``timeout``, 503
+    ``server_overloaded`` when the bodies read and not yet parsed, all requests together, would pass ``pending``
+    (:mod:`.budget`). The app then gets the body in one message (the middleware keeps no reference to it) and the
+    client's later messages (disconnect) as they come; it gives the body's bytes back to ``pending`` by calling
+    ``scope[RELEASE_BODY]()`` once parsed (at the latest, the middleware does when the app returns)."""
 
-    def __init__(self, app: Any, max_bytes: int, timeout: float) -> None:
-        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+    def __init__(self, app: Any, max_bytes: int, timeout: float, pending: Budget) -> None:
+        self.app, self.max_bytes, self.timeout, self.pending = app, max_bytes, timeout, pending
 
-    async def _refuse(self, send: Any, status: int, message: str, code: str) -> None:
-        start, body = _error(status, message, code)
+    async def _refuse(self, send: Any, status: int, message: str, code: str,
+                      headers: dict[str, str] | None = None) -> None:
+        start, body = _error(status, message, code, headers)
         await send(start)
         await send({"type": "http.response.body", "body": body})
 
@@ -112,11 +126,44 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        for k, v in scope.get("headers") or []:
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                await self._refuse(send, 413, f"request body is {int(v)} bytes; this server accepts at most "
-                                   f"{self.max_bytes} (--max-body-bytes)", "request_too_large")
+        releases: list[Callable[[], None]] = []
+
+        def release() -> None:
+            for r in releases:
+                r()
+        try:
+            try:
+                body = await self._read(scope, receive, send, releases)
+            except APIError as e:                      # the bodies' budget
+                await self._refuse(send, e.status, e.message, e.code or "", e.headers)
                 return
+            if body is None:                           # refused, or the client left
+                return
+
+            async def replay() -> dict:
+                nonlocal body
+                if body is not None:
+                    msg, body = {"type": "http.request", "body": body, "more_body": False}, None
+                    return msg
+                return await receive()
+
+            await self.app({**scope, RELEASE_BODY: release}, replay, send)
+        finally:
+            release()
+
+    async def _read(self, scope: dict, receive: Any, send: Any, releases: list[Callable[[], None]]) -> bytes | None:
+        """The whole body, each part admitted to ``pending`` (Content-Length's at once); None once refused with
+        413 / 408 or the client gone."""
+        declared = None
+        for k, v in scope.get("headers") or []:
+            if k == b"content-length" and v.isdigit():
+                declared = int(v)
+                if declared > self.max_bytes:
+                    await self._refuse(send, 413, f"request body is {declared} bytes; this server accepts at most "
+                                       f"{self.max_bytes} (--max-body-bytes)", "request_too_large")
+                    return None
+        if declared:
+            releases.append(self.pending.admit(declared))
         chunks, size, deadline = [], 0, time.monotonic() + self.timeout
         while True:
             try:
@@ -124,25 +171,17 @@ class BodyLimitMiddleware:
             except asyncio.TimeoutError:
                 await self._refuse(send, 408, f"request body not received within {self.timeout:g} s "
                                    "(--timeout-request-body)", "request_timeout")
-                return
+                return None
             if msg["type"] == "http.disconnect":
-                return
+                return None
             chunk = msg.get("body", b"")
             size += len(chunk)
+            if declared is None and chunk:         # chunked upload: admitted as it comes
+                releases.append(self.pending.admit(len(chunk)))
             if size > self.max_bytes:
                 await self._refuse(send, 413, f"request body is over {self.max_bytes} bytes, the most this server "
                                    "accepts (--max-body-bytes)", "request_too_large")
-                return
+                return None
             chunks.append(chunk)
             if not msg.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+                return b"".join(chunks)
