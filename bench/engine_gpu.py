@@ -163,7 +163,8 @@ cache_bytes_per_step = decode_cache_bytes
 def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, steps: int, warmup: int,
                   **cfg: Any) -> dict:
     """Decode-only engine steps with ``batch`` rows past their prompts: tokens/s and step latency."""
-    need = math.ceil((2 * prompt_len + warmup + steps + 4) / 16) + 1
+    block = cfg.get("block_size") or EngineConfig.block_size
+    need = math.ceil((2 * prompt_len + warmup + steps + 4) / block) + 1
     engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, num_blocks=batch * need, num_snapshots=0,
                                            prefix_caching=False, **cfg))
     engine.capture_cuda_graphs()
@@ -221,10 +222,12 @@ def generate_tpot(model: Any, prompt_len: int, new: int, reps: int, **kw: Any) -
     return dict(prompt=prompt_len, new=new, ttft_s=t1, tpot_ms=1e3 * (tn - t1) / (new - 1))
 
 
-def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int, budgets: list[int | None] | None = None) -> dict:
+def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int, budgets: list[int | None] | None = None,
+                    block_size: int | None = None) -> dict:
     """n prompts of T tokens through the engine (decode of one token each) vs one bare forward over them; with
     ``budgets``, one engine per step token budget (``max_num_batched_tokens``; None: the default), the first
-    budget's result at the top level and every budget's under ``by_budget``."""
+    budget's result at the top level and every budget's under ``by_budget``. ``block_size``: the engine's
+    (None: EngineConfig's)."""
     rng = random.Random(3)
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(T)] for _ in range(n)]
@@ -241,8 +244,9 @@ def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int, budgets: list[
         bare = statistics.median(times)
     results = []
     for budget in budgets or [None]:
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // 16 + 2), prefix_caching=False,
-                                               num_snapshots=0, max_num_batched_tokens=budget))
+        block = block_size or EngineConfig.block_size
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // block + 2), prefix_caching=False,
+                                               num_snapshots=0, max_num_batched_tokens=budget, block_size=block))
         engine.capture_cuda_graphs()
         rounds = []
         for r in range(3):                        # round 0 warms up the batched prefill shapes, as the bare forward
@@ -278,7 +282,7 @@ def part_b(args: argparse.Namespace, tmp: str) -> dict:
     floor = lambda b, ctx: 1e3 * (active_bytes(model, b) + cache_bytes_per_step(model, b, ctx)) / bw
     rows = []
     for ctx in args.tpot_contexts:
-        e = engine_decode(model, 1, ctx, args.steps, args.warmup)
+        e = engine_decode(model, 1, ctx, args.steps, args.warmup, **args.engine_cfg)
         g = generate_tpot(model, ctx, args.gen_new, args.reps)
         rows.append(dict(context=ctx, engine_ms=e["step_ms"], generate_ms=g["tpot_ms"], floor_ms=floor(1, ctx),
                          engine_prefill_s=e["prefill_s"], generate_ttft_s=g["ttft_s"]))
@@ -301,13 +305,13 @@ def part_b(args: argparse.Namespace, tmp: str) -> dict:
     print(f"generate: {res['generate']}", flush=True)
     thr = []
     for b in args.batches:
-        r = engine_decode(model, b, args.prompt_len, args.steps, args.warmup)
+        r = engine_decode(model, b, args.prompt_len, args.steps, args.warmup, **args.engine_cfg)
         ctx = args.prompt_len + args.warmup + args.steps // 2
         r["floor_ms"] = floor(b, ctx)
         thr.append(r)
         print(f"decode batch {b}: {r}", flush=True)
     res["throughput"] = thr
-    res["prefill"] = prefill_compare(model, args.prefill_n, args.prefill_T)
+    res["prefill"] = prefill_compare(model, args.prefill_n, args.prefill_T, **args.engine_cfg)
     print(f"prefill: {res['prefill']}", flush=True)
 
     print(f"\n## (b) {args.speed_model}, bf16, copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -355,7 +359,10 @@ def main() -> int:
     ap.add_argument("--tie", type=float, default=1e-4,
                     help="top-2 log-prob gap under which a float32 token flip counts as a near-tie (default 1e-4)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="the engine's MLA block size in (b) (default: EngineConfig's, 16; generate's pools use 64)")
     args = ap.parse_args()
+    args.engine_cfg = {"block_size": args.block_size} if args.block_size else {}
     args.check_models = args.check_models.split(",")
     if args.smoke:
         args.check_models = ["tiny"]

@@ -445,6 +445,8 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="(c): other tiles, warps, stages and split counts")
     p.add_argument("--sweep-cases", default="", help="(c) at these rows x context pairs instead, e.g. 1x4096,1x131072")
     p.add_argument("--offline-sm90", action="store_true", help="no GPU: compile the kernels for sm_90 and stop")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="pool block size of (b) and (c) (default 16, the engine's; generate's pools use 64)")
     p.add_argument("--peak", type=float, default=4.2e12, help="HBM bytes/s to compare with (H200: 4.2e12)")
     p.add_argument("--out", default="", help="directory for mla_decode.json")
     a = p.parse_args()
@@ -454,6 +456,7 @@ def main() -> int:
         say("no CUDA device: run on the GPU, or with --smoke (CPU interpreter) / --offline-sm90")
         return 2
     S = Setup(a.smoke)
+    S.bs = a.block_size
     if a.smoke:
         # CPU tensors take the op's PyTorch path: send them to the Triton kernels (interpreted) as CUDA ones would be
         import kimi_linear.ops.mla_decode as md
