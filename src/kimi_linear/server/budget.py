@@ -5,13 +5,13 @@ Every admitted prompt is held as Python token lists (in the request, and in the 
 ends: ~65 bytes a token, measured on the shipped model (ten 11 MB requests of 256 prompts x 8,000 token ids each
 took the server from 650 MiB to 1.96 GB while they waited). Per request the size is bounded (--max-body-bytes,
 --max-prompts-per-request, the context), but nothing bounded the sum: 1,024 connections could hold ~130 GB.
-:class:`PendingTokens` keeps that sum; a request that would take it past the limit is answered 503
+:func:`pending_tokens` keeps that sum; a request that would take it past the limit is answered 503
 ``server_overloaded`` with ``Retry-After`` (the official OpenAI client retries such answers), unless nothing is
 pending, so that every request the engine accepts can run alone.
 
 Bodies are the same story one step earlier: each is read whole (up to --max-body-bytes, 16 MiB) and then waits
 for one of the two parsing threads, so 1,024 connections sending 16 MiB each would hold 16 GB before any limit
-on tokens applies. :class:`Budget` with --max-pending-body-bytes bounds the bodies read and not yet parsed.
+on tokens applies. :func:`pending_body_bytes` bounds the bodies read and not yet parsed (--max-pending-body-bytes).
 """
 
 from __future__ import annotations
