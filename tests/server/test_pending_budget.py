@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kimi_linear.server.budget import DEFAULT_FLOOR, default_limit, pending_tokens
+from kimi_linear.server.metrics import COUNTERS, GAUGES, render_metrics
 from kimi_linear.server.protocol import APIError
 
 from .conftest import start_server, stop_server
@@ -129,7 +130,19 @@ def test_bodies_read_and_not_parsed_are_bounded(checkpoint):
         assert c.recv(64).startswith(b"HTTP/1.1 200")         # parsed (unknown fields are ignored): streaming
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        assert s.metrics()["running"] == 1                    # the stream still runs: its body was given back early
+        m = s.metrics()
+        assert m["running"] == 1 and m["pending_body_bytes"] == 0    # the stream runs on; its body was given back
+        assert m["pending_body_bytes_limit"] == 2**20
         c.close()
     finally:
         stop_server(s)
+
+
+def test_metrics_print_large_counts_in_full():
+    """Budgets and counters past a million printed exactly (they were ``:g``: 1,048,576 came out 1.04858e+06)."""
+    stats = dict.fromkeys(GAUGES, 0.0) | {"pending_body_bytes_limit": float(2**28), "generation_tokens_per_s": 12.5}
+    stats |= dict.fromkeys(COUNTERS, 123_456_789.0)
+    text = render_metrics(stats, 1.5)
+    assert "kimi_linear_pending_body_bytes_limit 268435456\n" in text
+    assert "kimi_linear_prompt_tokens_total 123456789\n" in text
+    assert "kimi_linear_generation_tokens_per_s 12.5\n" in text

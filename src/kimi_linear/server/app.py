@@ -68,6 +68,7 @@ class ServerState:
         e = loop.engine
         self.pending = pending_tokens(self.limits.max_pending_tokens or default_limit(
             e.token_capacity(), e.cfg.max_num_seqs, e.max_context))
+        self.pending_bodies = pending_body_bytes(self.limits.max_pending_body_bytes)
         # Parsing, validation and tokenization of a request body (up to --max-body-bytes) run here, not on the
         # event loop, so /health and the token streams of other requests never wait for them.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kimi-linear-http")
@@ -178,7 +179,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     # Outermost first: the API key (cheap), then the body size / time limit, then the routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_body_bytes,
                        timeout=state.limits.timeout_request_body,
-                       pending=pending_body_bytes(state.limits.max_pending_body_bytes))
+                       pending=state.pending_bodies)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -191,7 +192,8 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         stats = {**state.loop.stats(), "pending_prompt_tokens": state.pending.used,
-                 "pending_prompt_tokens_limit": state.pending.limit}
+                 "pending_prompt_tokens_limit": state.pending.limit, "pending_body_bytes": state.pending_bodies.used,
+                 "pending_body_bytes_limit": state.pending_bodies.limit}
         return PlainTextResponse(render_metrics(stats, time.monotonic() - state.started),
                                  media_type="text/plain; version=0.0.4")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 GAUGES = {
     "running": "requests running (holding a KDA state slot)",
     "waiting": "requests queued for a slot, cache blocks or prompt scoring",
@@ -13,6 +15,8 @@ GAUGES = {
     "generation_tokens_per_s": "generated tokens per second over the last 10 s",
     "pending_prompt_tokens": "prompt tokens of the requests in progress (server-wide budget, --max-pending-tokens)",
     "pending_prompt_tokens_limit": "the --max-pending-tokens budget",
+    "pending_body_bytes": "bytes of request bodies read and not yet parsed (server-wide, --max-pending-body-bytes)",
+    "pending_body_bytes_limit": "the --max-pending-body-bytes budget",
 }
 COUNTERS = {
     "prompt_tokens": "prompt tokens received",
@@ -32,14 +36,25 @@ COUNTERS = {
 }
 
 
+def _number(v: float) -> str:
+    """A sample value in Prometheus' text format: integers in full (``:g`` printed 1,048,576 as 1.04858e+06),
+    NaN / +Inf / -Inf spelled its way, others as Python's shortest round-trip repr."""
+    v = float(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return str(int(v)) if v.is_integer() else repr(v)
+
+
 def render_metrics(stats: dict[str, float], uptime_s: float) -> str:
     lines = []
     for name, help_ in GAUGES.items():
         lines += [f"# HELP kimi_linear_{name} {help_}", f"# TYPE kimi_linear_{name} gauge",
-                  f"kimi_linear_{name} {stats[name]:g}"]
+                  f"kimi_linear_{name} {_number(stats[name])}"]
     for name, help_ in COUNTERS.items():
         lines += [f"# HELP kimi_linear_{name}_total {help_}", f"# TYPE kimi_linear_{name}_total counter",
-                  f"kimi_linear_{name}_total {stats[name]:g}"]
+                  f"kimi_linear_{name}_total {_number(stats[name])}"]
     lines += ["# HELP kimi_linear_uptime_seconds seconds since start", "# TYPE kimi_linear_uptime_seconds gauge",
               f"kimi_linear_uptime_seconds {uptime_s:.3f}"]
     return "\n".join(lines) + "\n"
