@@ -335,6 +335,60 @@ def part_b(args: argparse.Namespace, tmp: str) -> dict:
     return res
 
 
+def timed_round(engine: LLMEngine, reqs: list[list[int]], new: int, tag: str
+                ) -> tuple[list[list[float]], list[list[int]], float]:
+    """All of ``reqs`` queued at once and run to the end: each token's arrival time, the tokens, the wall time."""
+    stamps: list[list[float]] = [[] for _ in reqs]
+    toks: list[list[int]] = [[] for _ in reqs]
+
+    def sink(i: int):
+        def f(o):
+            stamps[i].extend([time.perf_counter()] * len(o.token_ids))
+            toks[i].extend(o.token_ids)
+        return f
+    sync()
+    t = time.perf_counter()
+    for i, p in enumerate(reqs):
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), sink(i))
+    while engine.has_work():
+        engine.step()
+    sync()
+    return stamps, toks, time.perf_counter() - t
+
+
+def mixed_compare(model: KimiLinearForCausalLM, n: int, prompt_lens: tuple[int, int], new: int, slots: int,
+                  block_size: int | None = None) -> list[dict]:
+    """EngineConfig.mixed_steps off and on (each after a warm-up round), on a stream of ``n`` greedy requests of
+    random prompt lengths in ``prompt_lens`` and ``new`` new tokens, all queued at once against ``slots`` slots, so
+    that prompts keep arriving beside running decodes: output tokens/s, the time between a request's tokens
+    (TPOT, p50 / p90 over requests, which prefill chunks beside the decode rows lengthen) and how many requests
+    got the same tokens as with mixed steps off."""
+    rng = random.Random(5)
+    vocab = model.config.vocab_size
+    reqs = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
+    block = block_size or EngineConfig.block_size
+    blocks = slots * (math.ceil((prompt_lens[1] + new) / block) + 2)
+    out, ref = [], None
+    for mixed in (False, True):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=slots, num_blocks=blocks, prefix_caching=False,
+                                               num_snapshots=0, mixed_steps=mixed, block_size=block))
+        engine.capture_cuda_graphs()
+        for r in range(2):                           # round 0 warms up the shapes
+            stamps, toks, wall = timed_round(engine, reqs, new, str(r))
+        tpot = sorted(1e3 * (st[-1] - st[0]) / (len(st) - 1) for st in stamps if len(st) > 1)
+        same = None if ref is None else sum(a == b for a, b in zip(toks, ref))
+        ref = toks if ref is None else ref
+        out.append(dict(mixed_steps=mixed, requests=n, out_tok_per_s=n * new / wall, wall_s=wall,
+                        tpot_ms_p50=statistics.median(tpot), tpot_ms_p90=tpot[int(0.9 * (len(tpot) - 1))],
+                        same_tokens_as_off=same))
+        print(f"mixed {mixed}: {out[-1]}", flush=True)
+        engine = None
+        empty = getattr(torch.cuda, "empty_cache", None)
+        if torch.cuda.is_available() and empty is not None:
+            empty()
+    return out
+
+
 def table(title: str, header: list[str], rows: list[list[Any]]) -> None:
     """A markdown table under a title line (numbers right-aligned)."""
     print(f"\n{title}\n")
@@ -350,7 +404,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory for the JSON results")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny preset and sizes (checks the script on CPU)")
-    ap.add_argument("--parts", default="ab", help="which parts to run (default ab; p: only the prefill of b)")
+    ap.add_argument("--parts", default="ab", help="which parts to run (default ab; p: only the prefill of b; m: "
+                    "mixed steps off and on)")
     ap.add_argument("--prefill-budgets", default="", help="part p alone: step token budgets to compare, e.g. "
                     "16384,32768 (default: the engine's)")
     ap.add_argument("--check-models", default="small,48b-8l-32e,48b-8l-256e",
@@ -370,12 +425,14 @@ def main() -> int:
         args.tpot_contexts, args.batches, args.prompt_len = [64], [1, 4], 16
         args.steps, args.warmup, args.reps = 3, 1, 1
         args.gen_new, args.hf_prompt, args.hf_new, args.prefill_n, args.prefill_T = 4, 16, 4, 4, 32
+        args.mixed_n, args.mixed_prompts, args.mixed_new, args.mixed_slots = 6, (8, 40), 6, 3
     else:
         args.requests, args.max_prompt, args.max_new, args.max_num_seqs = 24, 300, 24, 8
         args.tpot_contexts = [4096, 131072]
         args.batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         args.prompt_len, args.steps, args.warmup, args.reps = 512, 32, 4, 3
         args.gen_new, args.hf_prompt, args.hf_new, args.prefill_n, args.prefill_T = 129, 512, 33, 32, 2048
+        args.mixed_n, args.mixed_prompts, args.mixed_new, args.mixed_slots = 128, (256, 4096), 128, 32
     os.makedirs(args.out, exist_ok=True)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"# whole model on {args.device} ({dev}), torch {torch.__version__}", flush=True)
@@ -389,6 +446,16 @@ def main() -> int:
         if "b" in args.parts:
             json.dump(part_b(args, tmp), open(os.path.join(args.out, "b_speed.json"), "w"), indent=1)
             print(f"\n(b) done at {time.perf_counter() - t0:.0f} s", flush=True)
+        if "m" in args.parts:
+            m = mixed_compare(build(args.speed_model, torch.bfloat16, args.device, args.smoke), args.mixed_n,
+                              args.mixed_prompts, args.mixed_new, args.mixed_slots, args.block_size)
+            json.dump(m, open(os.path.join(args.out, "m_mixed.json"), "w"), indent=1)
+            table(f"Mixed steps off / on, {args.mixed_n} requests of {args.mixed_prompts[0]}-{args.mixed_prompts[1]} "
+                  f"prompt tokens and {args.mixed_new} new, {args.mixed_slots} slots, queued at once:",
+                  ["mixed steps", "output tok/s", "TPOT p50 / p90 ms", "wall s", "same tokens as off"],
+                  [[r["mixed_steps"], f"{r['out_tok_per_s']:,.0f}", f"{r['tpot_ms_p50']:.2f} / {r['tpot_ms_p90']:.2f}",
+                    f"{r['wall_s']:.2f}", "" if r["same_tokens_as_off"] is None
+                    else f"{r['same_tokens_as_off']}/{r['requests']}"] for r in m])
         if "p" in args.parts and "b" not in args.parts:
             budgets = [int(b) for b in args.prefill_budgets.split(",")] if args.prefill_budgets else None
             p = prefill_compare(build(args.speed_model, torch.bfloat16, args.device, args.smoke), args.prefill_n,
