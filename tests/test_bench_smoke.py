@@ -14,9 +14,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script,args", [
-    ("engine_gpu.py", ["--smoke", "--no-hf", "--out", "{tmp}"]),
+    ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "abm", "--out", "{tmp}"]),
+    ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "b", "--block-size", "64", "--out", "{tmp}"]),
     ("fused_small_gpu.py", ["--smoke"]),
     ("mla_decode_gpu.py", ["--smoke"]),
+    ("mla_decode_gpu.py", ["--smoke", "--no-check", "--block-size", "64"]),
     ("moe_gpu.py", ["--smoke"]),
     ("moe_gpu.py", ["--smoke", "--no-tma"]),
     ("profile_decode.py", ["--smoke", "--batches", "1,2"]),
