@@ -36,7 +36,8 @@ def test_flood_peak_descriptors_bounded_by_backlog():
         finally:
             stop.set()
             sampler.join()
-        bound = fds_idle + peak_descriptors(8, 8) - RESERVED_DESCRIPTORS
+        # + 4: descriptors the server opens for a moment besides sockets (a /proc read, a pipe)
+        bound = fds_idle + peak_descriptors(8, 8) - RESERVED_DESCRIPTORS + 4
         assert most[0] <= bound, (fds_idle, most[0], bound)
         all_closed_by_server(socks)
     finally:
