@@ -58,7 +58,8 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
     from .limits import ServerLimits
 
     d = ServerLimits()
-    g = s.add_argument_group("limits", "what one client may send and hold (refusals are OpenAI error JSON)")
+    g = s.add_argument_group("limits", "what one client may send and hold, and what all together may make the "
+                                       "server hold (refusals are OpenAI error JSON)")
     g.add_argument("--max-body-bytes", default=str(d.max_body_bytes),
                    help=f"largest request body, e.g. 16MiB: 413 beyond (default {d.max_body_bytes // 2**20} MiB)")
     g.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
