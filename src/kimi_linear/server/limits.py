@@ -93,13 +93,12 @@ def prompt_char_bound(tokenizer: Any, max_context: int) -> int:
     return max_context * max(longest, 1) * factor
 
 
-def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> tuple[dict, bytes]:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")] + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]}
-    return start, body
+def _error(err: APIError) -> tuple[dict, bytes]:
+    """The ASGI response start and body of ``err`` (OpenAI error JSON), closing the connection."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")] + [(k.encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    return {"type": "http.response.start", "status": err.status, "headers": headers}, body
 
 
 RELEASE_BODY = "kimi_linear.release_body"    # scope key: the app calls it once it has parsed the body
@@ -116,9 +115,8 @@ class BodyLimitMiddleware:
     def __init__(self, app: Any, max_bytes: int, timeout: float, pending: Budget) -> None:
         self.app, self.max_bytes, self.timeout, self.pending = app, max_bytes, timeout, pending
 
-    async def _refuse(self, send: Any, status: int, message: str, code: str,
-                      headers: dict[str, str] | None = None) -> None:
-        start, body = _error(status, message, code, headers)
+    async def _refuse(self, send: Any, err: APIError) -> None:
+        start, body = _error(err)
         await send(start)
         await send({"type": "http.response.body", "body": body})
 
@@ -135,7 +133,7 @@ class BodyLimitMiddleware:
             try:
                 body = await self._read(scope, receive, send, releases)
             except APIError as e:                      # the bodies' budget
-                await self._refuse(send, e.status, e.message, e.code or "", e.headers)
+                await self._refuse(send, e)
                 return
             if body is None:                           # refused, or the client left
                 return
@@ -159,8 +157,9 @@ class BodyLimitMiddleware:
             if k == b"content-length" and v.isdigit():
                 declared = int(v)
                 if declared > self.max_bytes:
-                    await self._refuse(send, 413, f"request body is {declared} bytes; this server accepts at most "
-                                       f"{self.max_bytes} (--max-body-bytes)", "request_too_large")
+                    await self._refuse(send, APIError(413, f"request body is {declared} bytes; this server accepts at "
+                                                      f"most {self.max_bytes} (--max-body-bytes)",
+                                                      code="request_too_large"))
                     return None
         if declared:
             releases.append(self.pending.admit(declared))
@@ -169,8 +168,8 @@ class BodyLimitMiddleware:
             try:
                 msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
-                await self._refuse(send, 408, f"request body not received within {self.timeout:g} s "
-                                   "(--timeout-request-body)", "request_timeout")
+                await self._refuse(send, APIError(408, f"request body not received within {self.timeout:g} s "
+                                                  "(--timeout-request-body)", code="request_timeout"))
                 return None
             if msg["type"] == "http.disconnect":
                 return None
@@ -179,8 +178,8 @@ class BodyLimitMiddleware:
             if declared is None and chunk:         # chunked upload: admitted as it comes
                 releases.append(self.pending.admit(len(chunk)))
             if size > self.max_bytes:
-                await self._refuse(send, 413, f"request body is over {self.max_bytes} bytes, the most this server "
-                                   "accepts (--max-body-bytes)", "request_too_large")
+                await self._refuse(send, APIError(413, f"request body is over {self.max_bytes} bytes, the most this "
+                                                  "server accepts (--max-body-bytes)", code="request_too_large"))
                 return None
             chunks.append(chunk)
             if not msg.get("more_body", False):
