@@ -383,9 +383,7 @@ def mixed_compare(model: KimiLinearForCausalLM, n: int, prompt_lens: tuple[int, 
                         same_tokens_as_off=same))
         print(f"mixed {mixed}: {out[-1]}", flush=True)
         engine = None
-        empty = getattr(torch.cuda, "empty_cache", None)
-        if torch.cuda.is_available() and empty is not None:
-            empty()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
 
 

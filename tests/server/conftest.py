@@ -117,6 +117,14 @@ def flood(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+def read_log(s: Server) -> str:
+    """What the server printed since the last call (its stdout made non-blocking by the caller); "" if nothing."""
+    try:
+        return s.proc.stdout.read() or ""
+    except (BlockingIOError, TypeError):        # nothing new (a non-blocking text pipe)
+        return ""
+
+
 def open_fds(pid: int) -> int:
     """Open file descriptors of process ``pid``."""
     return len(os.listdir(f"/proc/{pid}/fd"))

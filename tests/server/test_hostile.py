@@ -20,7 +20,7 @@ import pytest
 from kimi_linear.model.default import resolve_model
 from kimi_linear.server.memory import rss_bytes
 
-from .conftest import all_closed_by_server, flood, open_fds, start_server, stop_server
+from .conftest import all_closed_by_server, flood, open_fds, read_log, start_server, stop_server
 
 KEY = "KEY"
 MAX_CONNECTIONS = 24
@@ -272,7 +272,7 @@ def test_connectionflood(srv):
     pid = srv.proc.pid
     port = int(srv.url.rsplit(":", 1)[1])
     fds_idle = open_fds(pid)
-    _read_log(srv)
+    read_log(srv)
     socks = flood(port, 300)
     settled = []
 
@@ -292,17 +292,10 @@ def test_connectionflood(srv):
     assert max(settled) <= fds_idle + MAX_CONNECTIONS + 8, (fds_idle, settled)
     # Every flood socket gets closed by the server (evicted, or its head deadline passed): EOF or a reset.
     all_closed_by_server(socks)
-    log = _read_log(srv)
+    log = read_log(srv)
     lines = [x for x in log.splitlines() if "connection" in x]
     assert len(lines) <= 6, log[-2000:]       # ~290 refusals: one line per kind per 10 s (or none, if one was
     #                                             logged just before)
-
-
-def _read_log(srv) -> str:
-    try:
-        return srv.proc.stdout.read() or ""
-    except (BlockingIOError, TypeError):
-        return ""
 
 
 def test_health_answered_within_a_second_throughout(srv):

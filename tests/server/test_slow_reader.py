@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import start_server, stop_server
+from .conftest import read_log, start_server, stop_server
 
 TIMEOUT_SEND = 2
 ECHO = {"model": "tiny", "prompt": [[(i * 7 + j) % 250 + 1 for j in range(4000)] for i in range(12)],
@@ -36,13 +36,6 @@ def ask(s, rcvbuf: int = 64 * 1024) -> socket.socket:
     c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: "
               + str(len(body)).encode() + b"\r\n\r\n" + body)
     return c
-
-
-def read_log(s) -> str:
-    try:
-        return s.proc.stdout.read() or ""
-    except (BlockingIOError, TypeError):        # nothing new (a non-blocking text pipe)
-        return ""
 
 
 def content_length(head: bytes) -> int:
