@@ -140,9 +140,12 @@ def chunk_kda(
                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, **opts.kwargs())
         return o, v_first(final, state_v_first)
     out_dtype = q.dtype
-    q, k, g, beta = opts.apply(q, k, g, beta)
-    C = chunk_size if return_intermediate_states else CHUNK_SIZE
-    o, final, starts = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens, C)
+    # The PyTorch path picks its own precision (float32 products, float64 for float64 inputs); bf16 autocast
+    # (training) would round the chunk products to bf16 and mismatch its float32 out= buffers.
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, g, beta = opts.apply(q, k, g, beta)
+        C = chunk_size if return_intermediate_states else CHUNK_SIZE
+        o, final, starts = delta_rule_chunked(q, k, v, g, beta, shape, scale, initial_state, cu_seqlens, C)
     final = v_first(final.float(), state_v_first) if output_final_state else None
     if not return_intermediate_states:
         return o.to(out_dtype), final

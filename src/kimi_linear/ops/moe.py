@@ -156,7 +156,7 @@ ROUTER_TRITON_MAX_TOKENS = 16    # small decode batches; more rows take cuBLAS, 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The router's logits ``x @ weight^T`` in float32 (float64 if either is float64) with x widened first: x [N, D]
-    any float dtype, weight [E, D] float32 -> [N, E].
+    any float dtype, weight [E, D] float32 -> [N, E], also under autocast.
 
     On CUDA, without autograd and for up to ROUTER_TRITON_MAX_TOKENS rows, one Triton kernel that widens x as it
     reads it (instead of a cast kernel and cuBLAS's two-kernel float32 GEMV); each row's sums run in the same order
@@ -169,7 +169,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if fast is not None:
             return fast(x, weight)
     acc = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
-    return F.linear(x.to(acc), weight.to(acc))
+    # Under bf16 autocast (training on a GPU) F.linear would round the logits to bf16: near-ties between experts
+    # would then be decided by rounding, and sigmoid_topk refuses 16-bit logits.
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(acc), weight.to(acc))
 
 
 def sigmoid_topk_torch(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
