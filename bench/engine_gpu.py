@@ -222,15 +222,40 @@ def generate_tpot(model: Any, prompt_len: int, new: int, reps: int, **kw: Any) -
     return dict(prompt=prompt_len, new=new, ttft_s=t1, tpot_ms=1e3 * (tn - t1) / (new - 1))
 
 
+def prefill_prompts(model: KimiLinearForCausalLM, n: int, T: int) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(model.config.vocab_size) for _ in range(T)] for _ in range(n)]
+
+
+def prefill_engine(model: KimiLinearForCausalLM, n: int, T: int, budget: int | None,
+                   block_size: int | None = None) -> LLMEngine:
+    """An engine for n prompts of T tokens (no prefix caching, no snapshots: a cold prefill), graphs captured."""
+    block = block_size or EngineConfig.block_size
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // block + 2), prefix_caching=False,
+                                           num_snapshots=0, max_num_batched_tokens=budget, block_size=block))
+    engine.capture_cuda_graphs()
+    return engine
+
+
+def prefill_round(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+    """Seconds to prefill every prompt (and sample its one token) through ``engine``."""
+    sync()
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_work():
+        engine.step()
+    sync()
+    return time.perf_counter() - t
+
+
 def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int, budgets: list[int | None] | None = None,
                     block_size: int | None = None) -> dict:
     """n prompts of T tokens through the engine (decode of one token each) vs one bare forward over them; with
     ``budgets``, one engine per step token budget (``max_num_batched_tokens``; None: the default), the first
     budget's result at the top level and every budget's under ``by_budget``. ``block_size``: the engine's
     (None: EngineConfig's)."""
-    rng = random.Random(3)
-    vocab = model.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(T)] for _ in range(n)]
+    prompts = prefill_prompts(model, n, T)
     ids = torch.tensor(prompts, device=model.device)
     with torch.inference_mode():
         model(ids, logits_to_keep=1)              # warm-up at the full shape (kernels compiled for it)
@@ -244,21 +269,9 @@ def prefill_compare(model: KimiLinearForCausalLM, n: int, T: int, budgets: list[
         bare = statistics.median(times)
     results = []
     for budget in budgets or [None]:
-        block = block_size or EngineConfig.block_size
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // block + 2), prefix_caching=False,
-                                               num_snapshots=0, max_num_batched_tokens=budget, block_size=block))
-        engine.capture_cuda_graphs()
-        rounds = []
-        for r in range(3):                        # round 0 warms up the batched prefill shapes, as the bare forward
-            sync()
-            t = time.perf_counter()
-            for i, p in enumerate(prompts):
-                engine.add_request(f"{r}-{i}", p, SamplingParams(max_tokens=1, temperature=0))
-            while engine.has_work():
-                engine.step()
-            sync()
-            rounds.append(time.perf_counter() - t)
-        eng = statistics.mean(rounds[1:])
+        engine = prefill_engine(model, n, T, budget, block_size)
+        # round 0 warms up the batched prefill shapes, as the bare forward
+        eng = statistics.mean([prefill_round(engine, prompts, str(r)) for r in range(3)][1:])
         results.append(dict(prompts=n, tokens=T, bare_tok_per_s=n * T / bare, engine_tok_per_s=n * T / eng,
                             ratio=bare / eng, budget=engine.cfg.max_num_batched_tokens))
         engine = None

@@ -46,6 +46,17 @@ def trace_step(graphs, inputs: torch.Tensor, batch: int, limit: int) -> None:
         print(f"{name[:40]:40s} {n:2d}  {where}")
 
 
+def kernel_groups(prof: torch.profiler.profile, reps: int) -> dict[str, list[float]]:
+    """The profiled CUDA kernels grouped by name: name -> [ms, calls], each per repetition (``reps`` profiled)."""
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            g = groups[ev.name[:90]]
+            g[0] += ev.device_time / reps / 1e3
+            g[1] += 1 / reps
+    return dict(groups)
+
+
 def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: float, trace: int = 0) -> None:
     cuda = model.device.type == "cuda"
     pools = DecodePools.allocate(model, batch, context + 8, block_size=16)
@@ -76,14 +87,8 @@ def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: floa
                 torch.cuda.synchronize()
     if cuda and trace:
         trace_step(graphs, inputs, batch, trace)
-    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    n_kernels = 0
-    for ev in prof.events():
-        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
-            g = groups[ev.name[:90]]
-            g[0] += ev.device_time / 3 / 1e3
-            g[1] += 1 / 3
-            n_kernels += 1
+    groups = kernel_groups(prof, 3)
+    n_kernels = 3 * sum(g[1] for g in groups.values())
     total = sum(g[0] for g in groups.values())
     floor = 1e3 * (active_bytes(model, batch) + cache_bytes_per_step(model, batch, context)) / bw if cuda else 0
     print(f"\n### batch {batch}, context {context}: graph replay {replay:.3f} ms, kernel time {total:.3f} ms in "

@@ -379,10 +379,16 @@ class LLMEngine:
                 self._after_forward_isolated(s, logits[r], greedy[r])
         if plan.prefill:
             self._counters["prefill_forwards"] += len({T for _, T in plan.prefill})
-            for (s, T), (_, logits) in zip(plan.prefill, self.runner.prefill(plan.prefill)):
+            rows = [(s, T, logits) for (s, T), (_, logits) in zip(plan.prefill, self.runner.prefill(plan.prefill))]
+            for s, T, _ in rows:
                 self._advance([s], T)
                 self.cache.register_blocks(s, snapshot=True)
-                self._after_forward_isolated(s, logits)
+            # The rows that reached their prompt's end sample now: their argmaxes in one read-back, as a decode
+            # batch's (a copy of each row's logits to the host and a CPU argmax cost ~1 ms a row on a GPU).
+            done = [(s, logits) for s, _, logits in rows if s.num_computed >= s.num_tokens()]
+            greedy = self._greedy_readback(torch.stack([lg for _, lg in done])) if done else []
+            for (s, logits), g in zip(done, greedy):
+                self._after_forward_isolated(s, logits, g)
 
     def _mixed_step(self, plan: StepPlan) -> None:
         """Decode rows and prompt chunks as one packed forward (``EngineConfig.mixed_steps``)."""
