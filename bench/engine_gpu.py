@@ -10,8 +10,9 @@ cut to 8 layers (layers 1-3 and 5-7 KDA, 4 and 8 MLA; layer 1 dense, 2-8 MoE) wi
 
 (a) Correctness, float32: requests of mixed prompt and output lengths (more than ``max_num_seqs``, so rows join and
     leave) greedy through the engine with CUDA graphs (scratch rows filled with NaN first), the engine without
-    (eager forwards), ``generate`` one by one on its fast path (graphs) and ``generate`` one by one on the hybrid
-    cache (``cuda_graphs=False``, the reference). Tokens must be identical, except where the reference's top two
+    (eager forwards), the engine with mixed steps (decode rows and prompt chunks in one forward), ``generate``
+    one by one on its fast path (graphs) and ``generate`` one by one on the hybrid cache (``cuda_graphs=False``,
+    the reference). Tokens must be identical, except where the reference's top two
     log-probs are within ``--tie`` at the first different token (rounding of another batch shape may flip a
     near-tie: counted and shown, not failed).
 (b) Speed, bf16, the 8-layer 48B shape with 32 experts: time per output token at batch 1 with 4k and 128k
@@ -132,6 +133,7 @@ def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
         ref = run_single(model, reqs, graphs=False)
         runs = dict(engine_graphs=run_engine(model, EngineConfig(cuda_graphs=True, **cfg), reqs),
                     engine_eager=run_engine(model, EngineConfig(cuda_graphs=False, **cfg), reqs),
+                    engine_mixed=run_engine(model, EngineConfig(cuda_graphs=True, mixed_steps=True, **cfg), reqs),
                     generate_graphs=run_single(model, reqs, graphs=True))
         r = {k: agreement(v, ref, args.tie) for k, v in runs.items()}
         r["pass"] = all(v["mismatches"] == 0 for v in r.values())
@@ -142,11 +144,12 @@ def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print(f"\n## (a) float32 greedy tokens against generate on the hybrid cache, {args.requests} requests (prompts "
           f"1-{args.max_prompt - 1}, outputs 4-{args.max_new - 1}), max_num_seqs {args.max_num_seqs}\n")
-    print("| model | engine, CUDA graphs | engine, eager | generate, CUDA graphs | pass |")
-    print("|---|---|---|---|---|")
+    print("| model | engine, CUDA graphs | engine, eager | engine, mixed steps | generate, CUDA graphs | pass |")
+    print("|---|---|---|---|---|---|")
     f = lambda a: f"{a['identical']}/{a['of']} (near-ties {a['near_tie_flips']}, other {a['mismatches']})"
     for name, r in res.items():
-        print(f"| {name} | {f(r['engine_graphs'])} | {f(r['engine_eager'])} | {f(r['generate_graphs'])} | "
+        print(f"| {name} | {f(r['engine_graphs'])} | {f(r['engine_eager'])} | {f(r['engine_mixed'])} | "
+              f"{f(r['generate_graphs'])} | "
               f"{'yes' if r['pass'] else 'NO'} |")
     return res, ok
 
