@@ -11,11 +11,16 @@ writes OUT/summary.json:
     torchrun --nproc-per-node 2 bench/distributed.py dp --out OUT        # the same global batch on two
     torchrun --nproc-per-node 2 bench/distributed.py cp --out OUT        # one 1M-token sequence over two ranks
     torchrun --nproc-per-node 1 bench/distributed.py longest --out OUT   # one GPU: 1M, else 512k, ... (OOM)
+    torchrun --nproc-per-node 2 bench/distributed.py dp --model 48b-8l --out OUT   # dp, 48B-shaped layers
+    torchrun --nproc-per-node 2 bench/distributed.py ckpt --out OUT      # train, save on 2 ranks
+    torchrun --nproc-per-node 1 bench/distributed.py ckpt-load --out OUT # load on 1: the same greedy tokens?
     python bench/distributed.py report --out OUT
 
-Model: the `small` preset's shape (8 layers = 6 KDA + 2 NoPE MLA, hidden 512, MoE 8 experts top-2) with the
-4096-token vocabulary of `kimi-linear train --corpus stdlib` (the trainer's loss materialises float32 logits, 16 KiB
-per token at 4096), random tokens, every position labelled. Every phase trains through the package's own pieces:
+Model: the `small` preset's shape (8 layers = 6 KDA + 2 NoPE MLA, hidden 512, MoE 8 experts top-2), or with
+``--model 48b-8l`` (dp only) Kimi-Linear-48B's per-layer shape cut to 8 layers with 32 experts (issue 18's model:
+layers 1-3, 5-7 KDA, 4 and 8 MLA; 1.8B parameters at this vocabulary), both with the 4096-token vocabulary of
+`kimi-linear train --corpus stdlib` (the trainer's loss materialises float32 logits, 16 KiB per token at 4096),
+random tokens, every position labelled. Every phase trains through the package's own pieces:
 FSDP2 (`shard_model`, bf16 compute, float32 reduction), the Trainer's step (forward, backward, clipping, AdamW), bf16
 autocast. The cp and longest phases checkpoint activations per decoder layer (`checkpoint_layers`), so both hold
 the same kind of state; tokens/s counts the tokens of one optimizer step over its wall time (all ranks finished).
@@ -43,7 +48,10 @@ from kimi_linear.train.distributed import (
     ContextParallelTrainer,
     ShardedSource,
     checkpoint_layers,
+    full_model_state,
     init_distributed,
+    load_sharded,
+    save_sharded,
     shard_model,
 )
 from kimi_linear.train.trainer import TrainConfig, Trainer
@@ -57,7 +65,15 @@ SIZES = {
            {"seq_len": 256, "warmup_len": 64, "steps": 2}),
     "longest": ({"max_len": K * K, "min_len": 64 * K, "warmup_len": 16 * K},
                 {"max_len": 256, "min_len": 64, "warmup_len": 32}),
+    # the 48B-shaped layers: half the rows (1.8B parameters: their float32 weights, gradients and AdamW moments
+    # alone take ~29 GB on one GPU, and no activation is checkpointed in dp)
+    "dp-48b-8l": ({"seq_len": 4 * K, "batch": 8, "warmup": 3, "steps": 8},
+                  {"seq_len": 64, "batch": 4, "warmup": 1, "steps": 2}),
+    "ckpt": ({"seq_len": 2 * K, "batch": 8, "steps": 2, "prompt": 32, "new": 24},
+             {"seq_len": 32, "batch": 4, "steps": 1, "prompt": 8, "new": 6}),
 }
+SIZES["ckpt-load"] = SIZES["ckpt"]
+MODELS = ("small", "48b-8l")
 
 
 class RandomTokens:
@@ -76,14 +92,26 @@ class RandomTokens:
         return iter(())
 
 
-def build_model(smoke: bool, max_len: int) -> KimiLinearForCausalLM:
+def build_model(smoke: bool, max_len: int, model: str = "small", seed: int = 0) -> KimiLinearForCausalLM:
+    """A fresh model of ``model``'s shape (``MODELS``); --smoke: a tiny one, with 8 layers in the 48B shape's
+    KDA / MLA pattern for ``48b-8l``."""
+    tokens = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if smoke:
+        extra = {}
+        if model == "48b-8l":
+            extra = dict(num_hidden_layers=8, linear_attn_config=dict(
+                kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], head_dim=16, num_heads=4,
+                short_conv_kernel_size=4))
         config = preset_config("tiny", vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                               num_experts=4, model_max_length=max_len)
+                               num_experts=4, model_max_length=max_len, **tokens, **extra)
+    elif model == "48b-8l":
+        lac = dict(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], head_dim=128, num_heads=32,
+                   short_conv_kernel_size=4)
+        config = preset_config("kimi-linear-48b", num_hidden_layers=8, num_experts=32, linear_attn_config=lac,
+                               vocab_size=4096, model_max_length=max_len, **tokens)
     else:
-        config = preset_config("small", vocab_size=4096, model_max_length=max_len, pad_token_id=0, bos_token_id=1,
-                               eos_token_id=2)
-    return KimiLinearForCausalLM(config).init_weights(seed=0)
+        config = preset_config("small", vocab_size=4096, model_max_length=max_len, **tokens)
+    return KimiLinearForCausalLM(config).init_weights(seed=seed)
 
 
 def sync(device: torch.device) -> None:
@@ -133,7 +161,7 @@ def make_trainer(model, source, cp=None) -> Trainer:
 
 def phase_dp(args, sizes, device, world, rank, emit) -> None:
     """Data parallel: the same global batch (``batch`` rows of ``seq_len``) on ``world`` ranks, rows split."""
-    model = shard_model(build_model(args.smoke, sizes["seq_len"]).to(device), bf16=device.type == "cuda")
+    model = shard_model(build_model(args.smoke, sizes["seq_len"], args.model).to(device), bf16=device.type == "cuda")
     source = RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"])
     if sizes["batch"] % world:
         raise ValueError(f"global batch {sizes['batch']} is not divisible by {world} ranks")
@@ -142,7 +170,8 @@ def phase_dp(args, sizes, device, world, rank, emit) -> None:
     for i in range(sizes["warmup"]):
         timed_step(trainer, device, f"warm-up {i}")
     tokens = sizes["batch"] * sizes["seq_len"]
-    result: dict = {"global_batch_rows": sizes["batch"], "seq_len": sizes["seq_len"], "tokens_per_step": tokens}
+    result: dict = {"model": args.model, "global_batch_rows": sizes["batch"], "seq_len": sizes["seq_len"],
+                    "tokens_per_step": tokens}
     steps: list[dict] = []
     while len(steps) < sizes["steps"]:
         last = steps[-1]["seconds"] if steps else 0.0
@@ -235,6 +264,61 @@ def phase_longest(args, sizes, device, world, rank, emit) -> None:
         L //= 2
 
 
+def greedy_tokens(model: KimiLinearForCausalLM, device: torch.device, vocab: int, sizes: dict) -> list[int]:
+    """``sizes["new"]`` greedy tokens after a fixed random prompt, from an unsharded float32 copy on ``device``."""
+    ids = torch.randint(3, vocab, (1, sizes["prompt"]), generator=torch.Generator().manual_seed(11)).to(device)
+    with torch.inference_mode():
+        out = model.float().to(device).eval().generate(ids, max_new_tokens=sizes["new"], do_sample=False,
+                                                       eos_token_id=None)
+    return out[0, sizes["prompt"]:].tolist()
+
+
+def unsharded(trainer: Trainer) -> KimiLinearForCausalLM | None:
+    """The trainer's current weights in a plain model on rank 0, None on the others (every rank takes part in the
+    gather; only rank 0 receives the tensors)."""
+    full = full_model_state(trainer.model)
+    if dist.get_rank():
+        return None
+    model = KimiLinearForCausalLM(trainer.model.config)
+    model.load_state_dict(full)
+    return model
+
+
+def phase_ckpt(args, sizes, device, world, rank, emit) -> None:
+    """Train ``steps`` FSDP2 steps on ``world`` ranks and write a checkpoint (``save_sharded``: DCP shards plus the
+    exported model) to OUT/ckpt; rank 0 records the greedy tokens of the trained weights (gathered, float32).
+    Initialised from seed 1, so a loader that builds its model from seed 0 gets these tokens only by loading."""
+    model = shard_model(build_model(args.smoke, sizes["seq_len"], seed=1).to(device), bf16=device.type == "cuda")
+    trainer = make_trainer(model, ShardedSource(RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"]), rank,
+                                                world))
+    losses = [timed_step(trainer, device, f"{i}")["loss"] for i in range(sizes["steps"])]
+    save_sharded(trainer, os.path.join(args.out, "ckpt"))
+    ref = unsharded(trainer)
+    if rank == 0:
+        emit({"written_by_ranks": world, "steps": sizes["steps"], "losses": losses,
+              "tokens": greedy_tokens(ref, device, args.vocab, sizes)})
+
+
+def phase_ckpt_load(args, sizes, device, world, rank, emit) -> None:
+    """Load OUT/ckpt on ``world`` ranks both ways (the exported model with ``from_pretrained``; the DCP shards
+    resharded into a fresh FSDP2 trainer with ``load_sharded``) and generate the greedy tokens the writer recorded."""
+    written = [f for f in sorted(os.listdir(args.out)) if f.startswith("ckpt-w")]
+    if not written:
+        raise FileNotFoundError(f"no ckpt-w*.json in {args.out}: run the ckpt phase first")
+    saved = json.load(open(os.path.join(args.out, written[-1])))["result"]
+    path = os.path.join(args.out, "ckpt")
+    exported = greedy_tokens(KimiLinearForCausalLM.from_pretrained(path), device, args.vocab, sizes)
+    model = shard_model(build_model(args.smoke, sizes["seq_len"]).to(device), bf16=device.type == "cuda")
+    trainer = make_trainer(model, RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"]))
+    load_sharded(trainer, path)
+    merged = unsharded(trainer)
+    if rank == 0:
+        resharded = greedy_tokens(merged, device, args.vocab, sizes)
+        emit({"written_by_ranks": saved["written_by_ranks"], "loaded_on_ranks": world, "step": trainer.step,
+              "expected": saved["tokens"], "exported": exported, "resharded": resharded,
+              "same_exported": exported == saved["tokens"], "same_resharded": resharded == saved["tokens"]})
+
+
 def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "backend": dist.get_backend(), "world": dist.get_world_size()}
     if device.type == "cuda":
@@ -255,22 +339,28 @@ def report(out: str) -> dict:
         path = os.path.join(out, name)
         return json.load(open(path)) if os.path.isfile(path) else None
 
-    dp1, dp2, cp, longest = load("dp-w1.json"), load("dp-w2.json"), load("cp-w2.json"), load("longest-w1.json")
+    cp, longest = load("cp-w2.json"), load("longest-w1.json")
+    ckpt, ckpt_load = load("ckpt-w2.json") or load("ckpt-w1.json"), load("ckpt-load-w1.json")
     rows = ["| measurement | GPUs | tokens | tokens/s | peak GiB per rank | note |", "|---|---|---|---|---|---|"]
-    summary: dict = {"phases": {"dp-w1": dp1, "dp-w2": dp2, "cp-w2": cp, "longest-w1": longest}}
-    for d in (dp1, dp2):
-        if d:
-            r = d["result"]
-            rows.append(f"| FSDP2 data parallel, {r['global_batch_rows']} x {r['seq_len']} per step | "
-                        f"{d['env']['world']} | {r['tokens_per_step']} | {r['tokens_per_s']:.0f} | "
-                        f"{_gib(r['peak_gib_per_rank'])} | {r['timed_steps']} timed steps |")
-    if dp1 and dp2:
-        eff = dp2["result"]["tokens_per_s"] / (2 * dp1["result"]["tokens_per_s"])
-        # same global batches, so the same losses up to summation order (a check that 2 ranks train the same model)
-        a, b = dp1["result"]["losses"][0], dp2["result"]["losses"][0]
-        summary.update(dp_scaling_efficiency=round(eff, 3), dp_first_loss_rel_diff=abs(a - b) / abs(a))
-        rows.append(f"| scaling efficiency 2 GPUs vs 1 | | | {eff:.1%} | | tokens/s(2) / (2 x tokens/s(1)); first "
-                    f"timed loss 1 vs 2 GPUs: rel. diff {abs(a - b) / abs(a):.1e} |")
+    summary: dict = {"phases": {"cp-w2": cp, "longest-w1": longest, "ckpt": ckpt, "ckpt-load-w1": ckpt_load}}
+    for model in MODELS:
+        tag = dp_tag(model)
+        dp1, dp2 = load(f"{tag}-w1.json"), load(f"{tag}-w2.json")
+        summary["phases"].update({f"{tag}-w1": dp1, f"{tag}-w2": dp2})
+        for d in (dp1, dp2):
+            if d:
+                r = d["result"]
+                rows.append(f"| FSDP2 data parallel, {model}, {r['global_batch_rows']} x {r['seq_len']} per step | "
+                            f"{d['env']['world']} | {r['tokens_per_step']} | {r['tokens_per_s']:.0f} | "
+                            f"{_gib(r['peak_gib_per_rank'])} | {r['timed_steps']} timed steps |")
+        if dp1 and dp2:
+            eff = dp2["result"]["tokens_per_s"] / (2 * dp1["result"]["tokens_per_s"])
+            # same global batches: the same losses up to summation order and bf16 (2 ranks train the same model)
+            a, b = dp1["result"]["losses"], dp2["result"]["losses"]
+            diff = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+            summary[f"{tag}_scaling"] = {"speedup": round(2 * eff, 3), "loss_max_rel_diff": diff}
+            rows.append(f"| {model}: 2 GPUs vs 1 | | | {2 * eff:.2f}x | | tokens/s(2) / tokens/s(1); losses of "
+                        f"the {min(len(a), len(b))} timed steps 1 vs 2 GPUs: max rel. diff {diff:.1e} |")
     if cp and not cp["result"].get("steps"):
         rows.append(f"| context parallel, one sequence | {cp['result']['ranks']} | {cp['result']['seq_len']} | "
                     "not measured | | the phase ended (time limit?) after its warm-up step |")
@@ -291,7 +381,15 @@ def report(out: str) -> dict:
         held = r["longest_held"] or "none measured"
         rows.append(f"| one GPU: longest held | 1 | {held} | | | {r['note']} |")
         summary["one_gpu_longest_held"] = r["longest_held"]
-    env = next((d["env"] for d in (cp, dp2, dp1, longest) if d), {})
+    if ckpt_load:
+        r = ckpt_load["result"]
+        verdict = "same" if r["same_exported"] and r["same_resharded"] else "DIFFERENT"
+        rows.append(f"| checkpoint written by {r['written_by_ranks']} ranks, loaded on {r['loaded_on_ranks']} | "
+                    f"{r['loaded_on_ranks']} | | | | greedy tokens {verdict} (exported model: "
+                    f"{r['same_exported']}, DCP shards resharded: {r['same_resharded']}; {len(r['expected'])} tokens, "
+                    f"step {r['step']}) |")
+        summary["checkpoint_same_tokens"] = r["same_exported"] and r["same_resharded"]
+    env = next((d["env"] for d in (cp, *summary["phases"].values(), longest) if d), {})
     table = "\n".join(rows)
     print(f"environment: {json.dumps(env)}\n\n{table}")
     summary.update(env=env, table=table)
@@ -301,7 +399,12 @@ def report(out: str) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------------- main
-PHASES = {"dp": phase_dp, "cp": phase_cp, "longest": phase_longest}
+PHASES = {"dp": phase_dp, "cp": phase_cp, "longest": phase_longest, "ckpt": phase_ckpt, "ckpt-load": phase_ckpt_load}
+
+
+def dp_tag(model: str) -> str:
+    """The dp phase's file stem: ``dp`` for the small model (the name the first runs used), ``dp-<model>`` else."""
+    return "dp" if model == "small" else f"dp-{model}"
 
 
 def main() -> None:
@@ -314,6 +417,7 @@ def main() -> None:
                    help="cp / longest: keep every activation (default: checkpoint each decoder layer)")
     p.add_argument("--seq-len", type=int, help="override: dp row length / cp sequence length")
     p.add_argument("--max-len", type=int, help="override: longest phase's first (longest) length")
+    p.add_argument("--model", choices=MODELS, default="small", help="dp: the model's shape (default small)")
     p.add_argument("--simulate-oom-above", type=int, default=0, help=argparse.SUPPRESS)   # tests the OOM path
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -321,7 +425,8 @@ def main() -> None:
         report(args.out)
         return
     args.vocab = 64 if args.smoke else 4096
-    sizes = dict(SIZES[args.phase][1 if args.smoke else 0])
+    tag = dp_tag(args.model) if args.phase == "dp" else args.phase
+    sizes = dict(SIZES[tag][1 if args.smoke else 0])
     if args.seq_len and args.phase in ("dp", "cp"):
         sizes["seq_len"] = args.seq_len
     if args.max_len and args.phase == "longest":
@@ -334,7 +439,7 @@ def main() -> None:
         """Rank 0 rewrites the phase's JSON after every measurement, so a phase cut by its time limit keeps them."""
         if rank == 0:
             record = {"phase": args.phase, "env": environment(device), "result": result}
-            path = os.path.join(args.out, f"{args.phase}-w{world}.json")
+            path = os.path.join(args.out, f"{tag}-w{world}.json")
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f, indent=2)
             os.replace(path + ".tmp", path)

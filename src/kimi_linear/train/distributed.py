@@ -145,7 +145,8 @@ def checkpoint_layers(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict (on CPU), gathered on every rank."""
+    """The unsharded state dict on CPU: every rank takes part in the gather, rank 0 receives the tensors (the
+    other ranks get an empty dict: with ``cpu_offload`` PyTorch keeps the full copy on rank 0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
