@@ -3,10 +3,16 @@
     python bench/profile_decode.py                      # 8-layer Kimi-Linear-48B shape, 32 experts, bf16
     python bench/profile_decode.py --batches 1,128 --context 4096
     python bench/profile_decode.py --smoke              # CPU, tiny preset (checks the script)
+    python bench/profile_decode.py --engine --context 131072   # the engine's step beside generate's, batch 1
 
 For each batch: the CUDA-graph replay time of one step (median), the sum of the step's kernel times (the eager
 fixed-shape step under torch.profiler: what the graph replays, minus launch gaps), the number of kernels, and the
 kernels grouped by name (top rows by time) with the bytes-per-step floor beside them.
+
+--engine: one sequence's decode at batch 1 through ``LLMEngine`` (a real prefill of ``--context`` tokens, its
+16-token blocks, its pipelined steps) against ``generate``'s step (graph replays over DecodePools of 64-token
+blocks at the same length): the time per step of each, and the kernels of ``--reps`` steps of each under the
+profiler, grouped by name with the difference (kernels replayed inside CUDA graphs are in the profiler's trace).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_gpu import active_bytes, build, cache_bytes_per_step, copy_bandwidth  # noqa: E402
+from engine_gpu import active_bytes, build, cache_bytes_per_step, copy_bandwidth, sync  # noqa: E402
 from kimi_linear.model.paged import DecodeGraphs, DecodePools  # noqa: E402
 
 
@@ -55,6 +61,15 @@ def kernel_groups(prof: torch.profiler.profile, reps: int) -> dict[str, list[flo
             g[0] += ev.device_time / reps / 1e3
             g[1] += 1 / reps
     return dict(groups)
+
+
+def profiled(fn, cuda: bool) -> tuple[torch.profiler.profile, dict[str, list[float]]]:
+    """Run ``fn`` once under the profiler (CUDA activity too on a GPU): the profile and its kernel groups."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sync()
+    return prof, kernel_groups(prof, 1)
 
 
 def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: float, trace: int = 0) -> None:
@@ -99,6 +114,67 @@ def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: floa
         print(f"| `{name}` | {ms:.4f} | {calls:.0f} | {100 * ms / max(total, 1e-9):.1f}% |")
 
 
+def engine_vs_generate(model, context: int, reps: int, top: int) -> None:
+    """Batch 1 at ``context`` tokens: the engine's steps against generate's graph replays (see the docstring)."""
+    from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
+
+    cuda = model.device.type == "cuda"
+    steps = 3 * reps + 8
+    cfg = EngineConfig(max_num_seqs=1, num_blocks=(context + steps) // EngineConfig.block_size + 4,
+                       num_snapshots=0, prefix_caching=False)
+    engine = LLMEngine(model, cfg)
+    engine.capture_cuda_graphs()
+    rng = random.Random(0)
+    engine.add_request("0", [rng.randrange(model.config.vocab_size) for _ in range(context)],
+                       SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
+    while not engine.running or engine.running[0].num_tokens() - engine.running[0].num_computed > 1:
+        engine.step()                                        # the prompt, chunked under the step budget
+    for _ in range(4):
+        engine.step()
+
+    def engine_steps() -> None:
+        for _ in range(reps):
+            engine.step()
+
+    sync()
+    t = time.perf_counter()
+    engine_steps()
+    sync()
+    eng_ms = 1e3 * (time.perf_counter() - t) / reps
+    _, eng_k = profiled(engine_steps, cuda)
+
+    pools = DecodePools.allocate(model, 1, context + steps)
+    graphs = DecodeGraphs(model, pools, 1, capture=cuda)
+    ids = torch.zeros(1, dtype=torch.long, device=model.device)
+    slots = torch.zeros(1, dtype=torch.long, device=model.device)
+    lens = torch.full((1,), context, device=model.device)
+
+    def generate_steps() -> None:
+        for _ in range(reps):
+            graphs.run_device(ids, slots, lens)
+
+    generate_steps()                                          # capture
+    sync()
+    t = time.perf_counter()
+    generate_steps()
+    sync()
+    gen_ms = 1e3 * (time.perf_counter() - t) / reps
+    _, gen_k = profiled(generate_steps, cuda)
+    for k in (eng_k, gen_k):
+        for g in k.values():
+            g[0], g[1] = g[0] / reps, g[1] / reps
+    te, tg = sum(g[0] for g in eng_k.values()), sum(g[0] for g in gen_k.values())
+    print(f"\n### batch 1, context {context}: engine {eng_ms:.3f} ms a step (kernels {te:.3f} ms), generate's "
+          f"step {gen_ms:.3f} ms (kernels {tg:.3f} ms)\n")
+    print("| kernel | engine us | calls | generate us | calls | engine - generate us |")
+    print("|---|---:|---:|---:|---:|---:|")
+    names = sorted(set(eng_k) | set(gen_k), key=lambda k: -abs(eng_k.get(k, [0, 0])[0] - gen_k.get(k, [0, 0])[0]))
+    for name in names[:top]:
+        e, g = eng_k.get(name, [0.0, 0]), gen_k.get(name, [0.0, 0])
+        print(f"| `{name}` | {1e3 * e[0]:.1f} | {e[1]:.1f} | {1e3 * g[0]:.1f} | {g[1]:.1f} | "
+              f"{1e3 * (e[0] - g[0]):+.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="48b-8l-32e")
@@ -108,11 +184,15 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--trace", type=int, default=0, help="also list the first N kernel launches in order")
+    ap.add_argument("--engine", action="store_true", help="the engine's step beside generate's at batch 1 instead")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     model = build(args.model, torch.bfloat16 if device == "cuda" else torch.float32, device, args.smoke)
     bw = copy_bandwidth(device)
     print(f"## decode step profile: {args.model}, {device}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    if args.engine:
+        engine_vs_generate(model, 64 if args.smoke else args.context, 3 if args.smoke else args.reps, args.top)
+        return 0
     for b in [int(x) for x in args.batches.split(",")]:
         profile_batch(model, b, 64 if args.smoke else args.context, 3 if args.smoke else args.reps, args.top, bw,
                       args.trace)

@@ -25,15 +25,7 @@ from kimi_linear.engine import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_gpu import build, prefill_engine, prefill_prompts, prefill_round, sync  # noqa: E402
-from profile_decode import kernel_groups  # noqa: E402
-
-
-def profiled(fn, cuda: bool) -> tuple[torch.profiler.profile, dict[str, list[float]]]:
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        fn()
-        sync()
-    return prof, kernel_groups(prof, 1)
+from profile_decode import profiled  # noqa: E402
 
 
 def step_times(engine, prompts: list[list[int]]) -> list[tuple[float, float]]:

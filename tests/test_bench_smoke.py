@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("moe_gpu.py", ["--smoke"]),
     ("moe_gpu.py", ["--smoke", "--no-tma"]),
     ("profile_decode.py", ["--smoke", "--batches", "1,2"]),
+    ("profile_decode.py", ["--smoke", "--engine"]),
     ("profile_prefill.py", ["--smoke"]),
 ])
 @pytest.mark.slow
