@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kimi_linear.server.cli import add_serve_arguments, build_server, limits_from_args
+from kimi_linear.server.cli import add_serve_arguments, build_server, fit_to_open_files, limits_from_args
 from kimi_linear.server.limits import ServerLimits
 
 
@@ -32,7 +32,7 @@ def test_engine_gets_the_options(checkpoint):
             assert (e.graphs is not None) == on and e.device.type == "cpu"
             if e.graphs is not None:
                 assert not e.graphs.capture and not e.graphs.buckets
-            assert app.state.kl.limits == limits_from_args(parse(checkpoint))
+            assert app.state.kl.limits == fit_to_open_files(limits_from_args(parse(checkpoint)))
         finally:
             loop.close()
 

@@ -112,13 +112,9 @@ def add_limit_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def limits_from_args(args: argparse.Namespace) -> Any:
-    """The server's limits from the parsed options, each checked (a bad one raises ValueError naming it); the
-    connection cap and the backlog then fitted to the open-file limit (:func:`.connections.fit_open_file_limit`)."""
-    import dataclasses
-
+    """The server's limits from the parsed options, each checked (a bad one raises ValueError naming it)."""
     from kimi_linear.engine import parse_bytes
 
-    from .connections import fit_open_file_limit
     from .limits import ServerLimits
 
     sizes = {}
@@ -139,6 +135,17 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
         max_pending_tokens=args.max_pending_tokens,
     ).validate()
+    return lim
+
+
+def fit_to_open_files(lim: Any) -> Any:
+    """``lim`` with the connection cap and the backlog fitted to this process's open-file limit, whose soft value
+    is raised towards the hard one first (:func:`.connections.fit_open_file_limit`): a step of starting the server,
+    not of reading its options."""
+    import dataclasses
+
+    from .connections import fit_open_file_limit
+
     try:
         max_conn, backlog = fit_open_file_limit(lim.max_connections, lim.backlog)
     except ImportError:         # no `resource` module (Windows): the limits stand as given
@@ -169,7 +176,7 @@ def build_server(args: argparse.Namespace) -> Any:
     from .app import ServerState, create_app
     from .memory import cpu_16bit_without_onednn
 
-    limits = limits_from_args(args)
+    limits = fit_to_open_files(limits_from_args(args))
     if args.model is None:
         args.model = resolve_model(None)
         args.served_model_name = args.served_model_name or NAME

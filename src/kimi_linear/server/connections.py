@@ -43,6 +43,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from .protocol import APIError
+
 log = logging.getLogger("kimi_linear.server")
 
 REFUSAL_MESSAGES = ("Exceeded concurrency limit.", "Invalid HTTP request received.",
@@ -145,10 +147,10 @@ def unsent_bytes(transport: Any) -> int:
 
 
 def _refusal_bytes(max_connections: int) -> bytes:
-    body = json.dumps({"error": {
-        "message": f"the server has {max_connections} connections open, each with a request in progress "
-                   "(--max-connections); retry later", "type": "server_error", "param": None,
-        "code": "too_many_connections"}}).encode()
+    """The whole 503 a refused connection gets, written to its socket before any app runs."""
+    err = APIError(503, f"the server has {max_connections} connections open, each with a request in progress "
+                        "(--max-connections); retry later", code="too_many_connections", type_="server_error")
+    body = json.dumps(err.body()).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
@@ -159,9 +161,8 @@ def guarded_h11(max_connections: int, timeout_request_head: float, timeout_send:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    bad_request = json.dumps({"error": {
-        "message": "invalid HTTP request (malformed, or a request head over --max-header-bytes)",
-        "type": "invalid_request_error", "param": None, "code": "invalid_http_request"}}).encode()
+    bad_request = json.dumps(APIError(400, "invalid HTTP request (malformed, or a request head over "
+                                           "--max-header-bytes)", code="invalid_http_request").body()).encode()
     live: set[Any] = set()                                  # accepted and not being closed by us
     waiting: OrderedDict[Any, None] = OrderedDict()         # live connections waiting for a request head, oldest first
     refusal = _refusal_bytes(max_connections)
