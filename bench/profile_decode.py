@@ -132,16 +132,7 @@ def engine_vs_generate(model, context: int, reps: int, top: int) -> None:
     for _ in range(4):
         engine.step()
 
-    def engine_steps() -> None:
-        for _ in range(reps):
-            engine.step()
-
-    sync()
-    t = time.perf_counter()
-    engine_steps()
-    sync()
-    eng_ms = 1e3 * (time.perf_counter() - t) / reps
-    _, eng_k = profiled(engine_steps, cuda)
+    eng_ms, eng_k = per_step(engine.step, reps, cuda)
 
     pools = DecodePools.allocate(model, 1, context + steps)
     graphs = DecodeGraphs(model, pools, 1, capture=cuda)
@@ -149,30 +140,39 @@ def engine_vs_generate(model, context: int, reps: int, top: int) -> None:
     slots = torch.zeros(1, dtype=torch.long, device=model.device)
     lens = torch.full((1,), context, device=model.device)
 
-    def generate_steps() -> None:
-        for _ in range(reps):
-            graphs.run_device(ids, slots, lens)
-
-    generate_steps()                                          # capture
-    sync()
-    t = time.perf_counter()
-    generate_steps()
-    sync()
-    gen_ms = 1e3 * (time.perf_counter() - t) / reps
-    _, gen_k = profiled(generate_steps, cuda)
-    for k in (eng_k, gen_k):
-        for g in k.values():
-            g[0], g[1] = g[0] / reps, g[1] / reps
+    graphs.run_device(ids, slots, lens)                      # capture
+    gen_ms, gen_k = per_step(lambda: graphs.run_device(ids, slots, lens), reps, cuda)
     te, tg = sum(g[0] for g in eng_k.values()), sum(g[0] for g in gen_k.values())
     print(f"\n### batch 1, context {context}: engine {eng_ms:.3f} ms a step (kernels {te:.3f} ms), generate's "
           f"step {gen_ms:.3f} ms (kernels {tg:.3f} ms)\n")
-    print("| kernel | engine us | calls | generate us | calls | engine - generate us |")
+    kernel_diff(("engine", eng_k), ("generate", gen_k), top, unit=("us", 1e3))
+
+
+def per_step(step, reps: int, cuda: bool) -> tuple[float, dict[str, list[float]]]:
+    """``reps`` calls of ``step``: ms per call (timed), then the kernels of ``reps`` more under the profiler,
+    grouped by name, per call."""
+    def steps() -> None:
+        for _ in range(reps):
+            step()
+
+    sync()
+    t = time.perf_counter()
+    steps()
+    sync()
+    ms = 1e3 * (time.perf_counter() - t) / reps
+    _, groups = profiled(steps, cuda)
+    return ms, {name: [g[0] / reps, g[1] / reps] for name, g in groups.items()}
+
+
+def kernel_diff(a: tuple[str, dict], b: tuple[str, dict], top: int, unit: tuple[str, float] = ("ms", 1.0)) -> None:
+    """Markdown table of two runs' kernel groups (name -> [ms, calls]), largest differences first."""
+    (na, ka), (nb, kb), (u, f) = a, b, unit
+    print(f"| kernel | {na} {u} | calls | {nb} {u} | calls | {na} - {nb} {u} |")
     print("|---|---:|---:|---:|---:|---:|")
-    names = sorted(set(eng_k) | set(gen_k), key=lambda k: -abs(eng_k.get(k, [0, 0])[0] - gen_k.get(k, [0, 0])[0]))
+    names = sorted(set(ka) | set(kb), key=lambda k: -abs(ka.get(k, [0, 0])[0] - kb.get(k, [0, 0])[0]))
     for name in names[:top]:
-        e, g = eng_k.get(name, [0.0, 0]), gen_k.get(name, [0.0, 0])
-        print(f"| `{name}` | {1e3 * e[0]:.1f} | {e[1]:.1f} | {1e3 * g[0]:.1f} | {g[1]:.1f} | "
-              f"{1e3 * (e[0] - g[0]):+.1f} |")
+        x, y = ka.get(name, [0.0, 0]), kb.get(name, [0.0, 0])
+        print(f"| `{name}` | {f * x[0]:.2f} | {x[1]:.1f} | {f * y[0]:.2f} | {y[1]:.1f} | {f * (x[0] - y[0]):+.2f} |")
 
 
 def main() -> int:

@@ -25,7 +25,7 @@ from kimi_linear.engine import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_gpu import build, prefill_engine, prefill_prompts, prefill_round, sync  # noqa: E402
-from profile_decode import profiled  # noqa: E402
+from profile_decode import kernel_diff, profiled  # noqa: E402
 
 
 def step_times(engine, prompts: list[list[int]]) -> list[tuple[float, float]]:
@@ -82,13 +82,8 @@ def main() -> int:
     for i, (h, w) in enumerate(steps):
         print(f"| {i} | {1e3 * h:.1f} | {1e3 * w:.1f} |")
     if cuda:
-        print("\n| kernel | bare ms | bare calls | engine ms | engine calls | engine - bare ms |")
-        print("|---|---:|---:|---:|---:|---:|")
-        names = sorted(set(bare_k) | set(eng_k),
-                       key=lambda k: -abs(eng_k.get(k, [0, 0])[0] - bare_k.get(k, [0, 0])[0]))
-        for name in names[:a.top]:
-            b, e = bare_k.get(name, [0.0, 0]), eng_k.get(name, [0.0, 0])
-            print(f"| `{name}` | {b[0]:.2f} | {b[1]:.0f} | {e[0]:.2f} | {e[1]:.0f} | {e[0] - b[0]:+.2f} |")
+        print()
+        kernel_diff(("engine", eng_k), ("bare", bare_k), a.top)
     print("\nengine round, host-side ops by self CPU time:\n")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     return 0
