@@ -204,3 +204,41 @@ def test_mixed_steps_equal_separate_forwards(preset):
     # Some forwards carried decode rows and several prompt chunks together.
     assert any(d >= 1 and p >= 1 for d, p in packed) and any(p >= 2 for _, p in packed), packed
     assert engine.stats()["kda_slots_used"] == 0 and engine.stats()["mla_blocks_used"] == 0
+
+
+def test_prefill_rows_sample_from_one_batched_readback(model, monkeypatch):
+    """On a GPU the rows that finish their prompt in a step take their greedy tokens from one batched argmax
+    read-back (the CPU samples row by row): with the read-back made the device's here, every request gets the CPU
+    path's tokens (greedy ones from the batch, seeded-sampling and log-prob ones still from their own row), and a
+    row with NaN logits fails alone."""
+    from kimi_linear.model.paged import greedy_ids
+
+    from .test_engine import LLMEngine, run_all
+
+    rng = random.Random(4)
+    reqs = {}
+    for i in range(9):
+        kind = ("greedy", "greedy", "seeded", "logprobs")[i % 4]
+        params = dict(greedy={}, seeded=dict(temperature=0.8, seed=i), logprobs=dict(logprobs=2))[kind]
+        reqs[f"{kind}{i}"] = ([rng.randrange(256) for _ in range(rng.randrange(3, 40))],
+                              SamplingParams(max_tokens=5, **{"temperature": 0.0, **params}))
+    cfg = dict(max_num_seqs=6, prefill_chunk=16, max_num_batched_tokens=96)
+    ref = run_all(LLMEngine(model, EngineConfig(**cfg)), reqs)
+    batches: list[int] = []
+
+    def device_readback(logits):
+        batches.append(logits.shape[0])
+        return greedy_ids(logits).tolist()
+
+    monkeypatch.setattr(LLMEngine, "_greedy_readback", staticmethod(device_readback))
+    assert run_all(LLMEngine(model, EngineConfig(**cfg)), reqs) == ref
+    assert max(batches) >= 3                                  # several prompts ended in one step
+    monkeypatch.setattr(LLMEngine, "_greedy_readback", staticmethod(
+        lambda logits: [-1 if r == 1 else g for r, g in enumerate(device_readback(logits))]))
+    engine = LLMEngine(model, EngineConfig(**cfg))
+    reasons = {}
+    for k, (p, sp) in list(reqs.items())[:3]:
+        engine.add_request(k, p, sp, lambda o: o.finished and reasons.setdefault(o.request_id, o.finish_reason))
+    while engine.has_work():
+        engine.step()
+    assert sorted(reasons.values()).count("error") >= 1 and "length" in reasons.values()
