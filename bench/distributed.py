@@ -18,7 +18,7 @@ writes OUT/summary.json:
 
 Model: the `small` preset's shape (8 layers = 6 KDA + 2 NoPE MLA, hidden 512, MoE 8 experts top-2), or with
 ``--model 48b-8l`` (dp only) Kimi-Linear-48B's per-layer shape cut to 8 layers with 32 experts (issue 18's model:
-layers 1-3, 5-7 KDA, 4 and 8 MLA; 1.8B parameters at this vocabulary), both with the 4096-token vocabulary of
+layers 1-3, 5-7 KDA, 4 and 8 MLA; 2.0B parameters at this vocabulary), both with the 4096-token vocabulary of
 `kimi-linear train --corpus stdlib` (the trainer's loss materialises float32 logits, 16 KiB per token at 4096),
 random tokens, every position labelled. Every phase trains through the package's own pieces:
 FSDP2 (`shard_model`, bf16 compute, float32 reduction), the Trainer's step (forward, backward, clipping, AdamW), bf16
@@ -65,8 +65,8 @@ SIZES = {
            {"seq_len": 256, "warmup_len": 64, "steps": 2}),
     "longest": ({"max_len": K * K, "min_len": 64 * K, "warmup_len": 16 * K},
                 {"max_len": 256, "min_len": 64, "warmup_len": 32}),
-    # the 48B-shaped layers: half the rows (1.8B parameters: their float32 weights, gradients and AdamW moments
-    # alone take ~29 GB on one GPU, and no activation is checkpointed in dp)
+    # the 48B-shaped layers: half the rows (2.0B parameters: their float32 weights, gradients and AdamW moments
+    # alone take ~32 GB on one GPU, and no activation is checkpointed in dp)
     "dp-48b-8l": ({"seq_len": 4 * K, "batch": 8, "warmup": 3, "steps": 8},
                   {"seq_len": 64, "batch": 4, "warmup": 1, "steps": 2}),
     "ckpt": ({"seq_len": 2 * K, "batch": 8, "steps": 2, "prompt": 32, "new": 24},

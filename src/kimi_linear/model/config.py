@@ -160,10 +160,10 @@ def preset_config(name: str, **overrides: Any) -> KimiLinearConfig:
     field overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    raw = {**copy.deepcopy(PRESETS[name]), **PRESET_TOKENS, **overrides}
+    tokens = dict(PRESET_TOKENS)
     if name in ("kimi-linear-48b", "kimi-k3"):
-        raw.update(pad_token_id=163839, bos_token_id=163584, eos_token_id=163586)
-    return config_from_dict(raw)
+        tokens.update(pad_token_id=163839, bos_token_id=163584, eos_token_id=163586)
+    return config_from_dict({**copy.deepcopy(PRESETS[name]), **tokens, **overrides})
 
 
 def config_to_dict(config: KimiLinearConfig) -> dict[str, Any]:
