@@ -238,31 +238,37 @@ def mean_log_decay(x, lb: bool) -> float:
 
 
 def bench_regimes(bw: float, tf: float, fla_chunk, backward: bool) -> None:
-    """Forward (and forward+backward) of every gate regime at both shapes beside fla; the worst ratio last."""
+    """Forward of every gate regime at both shapes beside fla, then (``backward``) forward+backward of each: a
+    budget that ends the run early cuts the backward rows, whose compilation and fla's autotuning take longest,
+    and leaves the whole forward grid. The worst forward ratio last."""
     worst = None
-    for B, T in S.shapes:
-        for regime in REGIMES:
-            if over_budget():
-                say(f"  regimes: {B}x{T} {regime} skipped (over the time budget)")
-                continue
-            x, lb = make_regime(B, T, regime)
-            what = f"{B}x{T} {regime} (mean log decay {mean_log_decay(x, lb):.2f})"
-            ms = median_ms(lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))
-            fla_ms = None
-            if fla_chunk is not None:
-                fla_ms = median_ms(lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))
-            row(f"regime fwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
-            if fla_ms is not None and (worst is None or fla_ms / ms < worst[0]):
-                worst = (fla_ms / ms, f"fwd {what}")
-            if backward:
-                ms = median_ms(fwd_bwd_runner(
-                    lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=200)
-                fla_ms = None
-                if fla_chunk is not None:
-                    fla_ms = median_ms(fwd_bwd_runner(
-                        lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x), rep=200)
-                row(f"regime fwd+bwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True))
-            save()
+    for pass_backward in (False, True) if backward else (False,):
+        for B, T in S.shapes:
+            for regime in REGIMES:
+                if over_budget():
+                    say(f"  regimes: {'fwd+bwd' if pass_backward else 'fwd'} {B}x{T} {regime} skipped (over the "
+                        "time budget)")
+                    continue
+                x, lb = make_regime(B, T, regime)
+                what = f"{B}x{T} {regime} (mean log decay {mean_log_decay(x, lb):.2f})"
+                if pass_backward:
+                    ms = median_ms(fwd_bwd_runner(
+                        lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=200)
+                    fla_ms = None
+                    if fla_chunk is not None:
+                        fla_ms = median_ms(fwd_bwd_runner(
+                            lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x),
+                            rep=200)
+                    row(f"regime fwd+bwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True))
+                else:
+                    ms = median_ms(lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))
+                    fla_ms = None
+                    if fla_chunk is not None:
+                        fla_ms = median_ms(lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))
+                    row(f"regime fwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
+                    if fla_ms is not None and (worst is None or fla_ms / ms < worst[0]):
+                        worst = (fla_ms / ms, f"fwd {what}")
+                save()
     if worst is not None:
         say(f"  worst regime: {worst[1]} at {worst[0]:.2f}x fla")
 
