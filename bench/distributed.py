@@ -307,7 +307,8 @@ def phase_ckpt_load(args, sizes, device, world, rank, emit) -> None:
         raise FileNotFoundError(f"no ckpt-w*.json in {args.out}: run the ckpt phase first")
     saved = json.load(open(os.path.join(args.out, written[-1])))["result"]
     path = os.path.join(args.out, "ckpt")
-    exported = greedy_tokens(KimiLinearForCausalLM.from_pretrained(path), device, args.vocab, sizes)
+    exported = greedy_tokens(KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32, device=device), device,
+                             args.vocab, sizes)
     model = shard_model(build_model(args.smoke, sizes["seq_len"]).to(device), bf16=device.type == "cuda")
     trainer = make_trainer(model, RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"]))
     load_sharded(trainer, path)
