@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "abm", "--out", "{tmp}"]),
     ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "b", "--block-size", "64", "--out", "{tmp}"]),
     ("fused_small_gpu.py", ["--smoke"]),
-    ("kda_kernels.py", ["--smoke", "--regimes", "--no-decode", "--no-fla"]),
+    ("kda_kernels.py", ["--smoke", "--regimes", "--no-decode", "--no-fla", "--out", "{tmp}"]),
     ("mla_decode_gpu.py", ["--smoke"]),
     ("mla_decode_gpu.py", ["--smoke", "--no-check", "--block-size", "64"]),
     ("moe_gpu.py", ["--smoke"]),
