@@ -114,6 +114,11 @@ def build_model(smoke: bool, max_len: int, model: str = "small", seed: int = 0) 
     return KimiLinearForCausalLM(config).init_weights(seed=seed)
 
 
+def sharded(model: KimiLinearForCausalLM, device: torch.device) -> torch.nn.Module:
+    """``model`` on ``device``, FSDP2-sharded over the ranks (bf16 compute on GPUs)."""
+    return shard_model(model.to(device), bf16=device.type == "cuda")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,7 +166,7 @@ def make_trainer(model, source, cp=None) -> Trainer:
 
 def phase_dp(args, sizes, device, world, rank, emit) -> None:
     """Data parallel: the same global batch (``batch`` rows of ``seq_len``) on ``world`` ranks, rows split."""
-    model = shard_model(build_model(args.smoke, sizes["seq_len"], args.model).to(device), bf16=device.type == "cuda")
+    model = sharded(build_model(args.smoke, sizes["seq_len"], args.model), device)
     source = RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"])
     if sizes["batch"] % world:
         raise ValueError(f"global batch {sizes['batch']} is not divisible by {world} ranks")
@@ -191,7 +196,7 @@ def phase_cp(args, sizes, device, world, rank, emit) -> None:
     model = build_model(args.smoke, sizes["seq_len"])
     if args.checkpointing:
         checkpoint_layers(model)
-    model = shard_model(model.to(device), bf16=device.type == "cuda")
+    model = sharded(model, device)
     enable_context_parallel(model, cp)
     short = ContextParallelSource(RandomTokens(args.vocab, 1, sizes["warmup_len"]), cp, dp_rank, dp_world)
     trainer = make_trainer(model, short, cp)
@@ -230,7 +235,7 @@ def phase_longest(args, sizes, device, world, rank, emit) -> None:
             model.model.layers[len(model.model.layers) // 2].register_forward_pre_hook(oom)
         if args.checkpointing:
             checkpoint_layers(model)
-        model = shard_model(model.to(device), bf16=device.type == "cuda")
+        model = sharded(model, device)
         return make_trainer(model, RandomTokens(args.vocab, 1, L, seed=L))
 
     trainer = fresh(sizes["warmup_len"])
@@ -288,7 +293,7 @@ def phase_ckpt(args, sizes, device, world, rank, emit) -> None:
     """Train ``steps`` FSDP2 steps on ``world`` ranks and write a checkpoint (``save_sharded``: DCP shards plus the
     exported model) to OUT/ckpt; rank 0 records the greedy tokens of the trained weights (gathered, float32).
     Initialised from seed 1, so a loader that builds its model from seed 0 gets these tokens only by loading."""
-    model = shard_model(build_model(args.smoke, sizes["seq_len"], seed=1).to(device), bf16=device.type == "cuda")
+    model = sharded(build_model(args.smoke, sizes["seq_len"], seed=1), device)
     trainer = make_trainer(model, ShardedSource(RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"]), rank,
                                                 world))
     losses = [timed_step(trainer, device, f"{i}")["loss"] for i in range(sizes["steps"])]
@@ -309,7 +314,7 @@ def phase_ckpt_load(args, sizes, device, world, rank, emit) -> None:
     path = os.path.join(args.out, "ckpt")
     exported = greedy_tokens(KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32, device=device), device,
                              args.vocab, sizes)
-    model = shard_model(build_model(args.smoke, sizes["seq_len"]).to(device), bf16=device.type == "cuda")
+    model = sharded(build_model(args.smoke, sizes["seq_len"]), device)
     trainer = make_trainer(model, RandomTokens(args.vocab, sizes["batch"], sizes["seq_len"]))
     load_sharded(trainer, path)
     merged = unsharded(trainer)

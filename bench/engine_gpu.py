@@ -163,14 +163,22 @@ def active_bytes(model: KimiLinearForCausalLM, batch: int) -> int:
 cache_bytes_per_step = decode_cache_bytes
 
 
+def bench_engine(model: KimiLinearForCausalLM, seqs: int, tokens: int, block_size: int | None = None,
+                 **cfg: Any) -> LLMEngine:
+    """An engine for ``seqs`` sequences of up to ``tokens`` tokens each (MLA blocks for all of them, two spare a
+    sequence), without prefix caching or snapshots (every prompt computed), graphs captured; ``block_size`` None:
+    EngineConfig's; ``cfg``: more EngineConfig fields."""
+    block = block_size or EngineConfig.block_size
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=seqs, num_blocks=seqs * (math.ceil(tokens / block) + 2),
+                                           num_snapshots=0, prefix_caching=False, block_size=block, **cfg))
+    engine.capture_cuda_graphs()
+    return engine
+
+
 def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, steps: int, warmup: int,
                   **cfg: Any) -> dict:
     """Decode-only engine steps with ``batch`` rows past their prompts: tokens/s and step latency."""
-    block = cfg.get("block_size") or EngineConfig.block_size
-    need = math.ceil((2 * prompt_len + warmup + steps + 4) / block) + 1
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch, num_blocks=batch * need, num_snapshots=0,
-                                           prefix_caching=False, **cfg))
-    engine.capture_cuda_graphs()
+    engine = bench_engine(model, batch, 2 * prompt_len + warmup + steps + 4, **cfg)
     rng = random.Random(batch)
     vocab = model.config.vocab_size
     for i in range(batch):
@@ -232,12 +240,8 @@ def prefill_prompts(model: KimiLinearForCausalLM, n: int, T: int) -> list[list[i
 
 def prefill_engine(model: KimiLinearForCausalLM, n: int, T: int, budget: int | None,
                    block_size: int | None = None) -> LLMEngine:
-    """An engine for n prompts of T tokens (no prefix caching, no snapshots: a cold prefill), graphs captured."""
-    block = block_size or EngineConfig.block_size
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=n, num_blocks=n * (T // block + 2), prefix_caching=False,
-                                           num_snapshots=0, max_num_batched_tokens=budget, block_size=block))
-    engine.capture_cuda_graphs()
-    return engine
+    """An engine for n prompts of T tokens (a cold prefill) at the step token budget ``budget``."""
+    return bench_engine(model, n, T, block_size, max_num_batched_tokens=budget)
 
 
 def prefill_round(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
@@ -382,13 +386,9 @@ def mixed_compare(model: KimiLinearForCausalLM, n: int, prompt_lens: tuple[int, 
     rng = random.Random(5)
     vocab = model.config.vocab_size
     reqs = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
-    block = block_size or EngineConfig.block_size
-    blocks = slots * (math.ceil((prompt_lens[1] + new) / block) + 2)
     out, ref = [], None
     for mixed in (False, True):
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=slots, num_blocks=blocks, prefix_caching=False,
-                                               num_snapshots=0, mixed_steps=mixed, block_size=block))
-        engine.capture_cuda_graphs()
+        engine = bench_engine(model, slots, prompt_lens[1] + new, block_size, mixed_steps=mixed)
         for r in range(2):                           # round 0 warms up the shapes
             stamps, toks, wall = timed_round(engine, reqs, new, str(r))
         tpot = sorted(1e3 * (st[-1] - st[0]) / (len(st) - 1) for st in stamps if len(st) > 1)

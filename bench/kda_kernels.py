@@ -251,23 +251,11 @@ def bench_regimes(bw: float, tf: float, fla_chunk, backward: bool) -> None:
                     continue
                 x, lb = make_regime(B, T, regime)
                 what = f"{B}x{T} {regime} (mean log decay {mean_log_decay(x, lb):.2f})"
-                if pass_backward:
-                    ms = median_ms(fwd_bwd_runner(
-                        lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=200)
-                    fla_ms = None
-                    if fla_chunk is not None:
-                        fla_ms = median_ms(fwd_bwd_runner(
-                            lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x),
-                            rep=200)
-                    row(f"regime fwd+bwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True))
-                else:
-                    ms = median_ms(lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))
-                    fla_ms = None
-                    if fla_chunk is not None:
-                        fla_ms = median_ms(lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))
-                    row(f"regime fwd {what}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
-                    if fla_ms is not None and (worst is None or fla_ms / ms < worst[0]):
-                        worst = (fla_ms / ms, f"fwd {what}")
+                ms, fla_ms = chunk_ms(x, lb, fla_chunk, pass_backward)
+                row(f"regime {'fwd+bwd' if pass_backward else 'fwd'} {what}", ms, B * T, fla_ms,
+                    chunk_floor(B * T, bw, tf, pass_backward))
+                if not pass_backward and fla_ms is not None and (worst is None or fla_ms / ms < worst[0]):
+                    worst = (fla_ms / ms, f"fwd {what}")
                 save()
     if worst is not None:
         say(f"  worst regime: {worst[1]} at {worst[0]:.2f}x fla")
@@ -574,22 +562,25 @@ def bench_chunk(bw: float, tf: float, fla_chunk, backward: bool) -> None:
             say(f"  chunk {'fwd+bwd' if backward else 'fwd'} {tag}: skipped (over the time budget)")
             continue
         x = make(B, T, lb=lb)
+        ms, fla_ms = chunk_ms(x, lb, fla_chunk, backward)
         if not backward:
-            fla_ms = None
-            if fla_chunk is not None:
-                fla_ms = median_ms(lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))
-            ms = median_ms(lambda: kops.chunk_kda(*args5(x), output_final_state=True, **opts(x, lb)))
             row(f"chunk fwd {tag}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, False))
             continue
-        fla_ms = None
-        # 200 ms of timing: about a dozen runs of a 16 ms step (the 50 ms of earlier tables gave three)
-        if fla_chunk is not None:
-            fla_ms = median_ms(fwd_bwd_runner(
-                lambda L: fla_chunk(*args5(L), output_final_state=True, **fla_opts(L, lb))[0], x), rep=200)
-        ms = median_ms(fwd_bwd_runner(
-            lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x), rep=200)
         row(f"chunk fwd+bwd {tag}", ms, B * T, fla_ms, chunk_floor(B * T, bw, tf, True), "Triton fwd + bwd")
         save()
+
+
+def chunk_ms(x, lb: bool, fla_chunk, backward: bool) -> tuple[float, float | None]:
+    """Median ms of ``chunk_kda`` on ``x``, ours and fla's (None without fla; fla timed first): the forward, or
+    forward + backward over 200 ms of timing (about a dozen runs of a 16 ms step; 50 ms gave three)."""
+    def timed(fn, kw) -> float:
+        if backward:
+            return median_ms(fwd_bwd_runner(lambda L: fn(*args5(L), output_final_state=True, **kw(L, lb))[0], x),
+                             rep=200)
+        return median_ms(lambda: fn(*args5(x), output_final_state=True, **kw(x, lb)))
+
+    fla_ms = timed(fla_chunk, fla_opts) if fla_chunk is not None else None
+    return timed(kops.chunk_kda, opts), fla_ms
 
 
 def bench_sdpa(backward: bool) -> None:

@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_gpu import active_bytes, build, cache_bytes_per_step, copy_bandwidth, sync  # noqa: E402
+from engine_gpu import active_bytes, bench_engine, build, cache_bytes_per_step, copy_bandwidth, sync  # noqa: E402
 from kimi_linear.model.paged import DecodeGraphs, DecodePools  # noqa: E402
 
 
@@ -116,14 +116,11 @@ def profile_batch(model, batch: int, context: int, reps: int, top: int, bw: floa
 
 def engine_vs_generate(model, context: int, reps: int, top: int) -> None:
     """Batch 1 at ``context`` tokens: the engine's steps against generate's graph replays (see the docstring)."""
-    from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
+    from kimi_linear.engine import SamplingParams
 
     cuda = model.device.type == "cuda"
     steps = 3 * reps + 8
-    cfg = EngineConfig(max_num_seqs=1, num_blocks=(context + steps) // EngineConfig.block_size + 4,
-                       num_snapshots=0, prefix_caching=False)
-    engine = LLMEngine(model, cfg)
-    engine.capture_cuda_graphs()
+    engine = bench_engine(model, 1, context + steps)
     rng = random.Random(0)
     engine.add_request("0", [rng.randrange(model.config.vocab_size) for _ in range(context)],
                        SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
