@@ -124,7 +124,7 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         except ValueError:
             raise ValueError(f"`--{name.replace('_', '-')}` must be a size like 16MiB or 1000000, got "
                              f"{getattr(args, name)!r}") from None
-    lim = ServerLimits(
+    return ServerLimits(
         max_body_bytes=sizes["max_body_bytes"], max_pending_body_bytes=sizes["max_pending_body_bytes"],
         max_json_depth=args.max_json_depth,
         max_prompt_chars=args.max_prompt_chars, timeout_request_body=args.timeout_request_body,
@@ -135,7 +135,6 @@ def limits_from_args(args: argparse.Namespace) -> Any:
         max_prompts_per_request=args.max_prompts_per_request, max_scored_prompt_tokens=args.max_scored_prompt_tokens,
         max_pending_tokens=args.max_pending_tokens,
     ).validate()
-    return lim
 
 
 def fit_to_open_files(lim: Any) -> Any:
