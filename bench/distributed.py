@@ -390,7 +390,7 @@ def report(out: str) -> dict:
     if ckpt_load:
         r = ckpt_load["result"]
         verdict = "same" if r["same_exported"] and r["same_resharded"] else "DIFFERENT"
-        rows.append(f"| checkpoint written by {r['written_by_ranks']} ranks, loaded on {r['loaded_on_ranks']} | "
+        rows.append(f"| checkpoint written on {r['written_by_ranks']} GPU(s), loaded on {r['loaded_on_ranks']} | "
                     f"{r['loaded_on_ranks']} | | | | greedy tokens {verdict} (exported model: "
                     f"{r['same_exported']}, DCP shards resharded: {r['same_resharded']}; {len(r['expected'])} tokens, "
                     f"step {r['step']}) |")

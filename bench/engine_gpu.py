@@ -122,6 +122,12 @@ def agreement(a: Run, ref: Run, tie: float) -> dict:
 def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
     res: dict[str, Any] = {}
     ok = True
+    # Each model's row is printed as soon as it is checked, so a run cut by a time limit keeps what it finished.
+    print(f"\n## (a) float32 greedy tokens against generate on the hybrid cache, {args.requests} requests (prompts "
+          f"1-{args.max_prompt - 1}, outputs 4-{args.max_new - 1}), max_num_seqs {args.max_num_seqs}\n")
+    print("| model | engine, CUDA graphs | engine, eager | engine, mixed steps | generate, CUDA graphs | pass | s |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    f = lambda a: f"{a['identical']}/{a['of']} (near-ties {a['near_tie_flips']}, other {a['mismatches']})"
     for name in args.check_models:
         model = build(name, torch.float32, args.device, args.smoke)
         vocab = model.config.vocab_size
@@ -140,17 +146,10 @@ def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
         r["seconds"] = time.perf_counter() - t0
         ok &= r["pass"]
         res[name] = r
+        print(f"| {name} | {f(r['engine_graphs'])} | {f(r['engine_eager'])} | {f(r['engine_mixed'])} | "
+              f"{f(r['generate_graphs'])} | {'yes' if r['pass'] else 'NO'} | {r['seconds']:.0f} |", flush=True)
         del model
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    print(f"\n## (a) float32 greedy tokens against generate on the hybrid cache, {args.requests} requests (prompts "
-          f"1-{args.max_prompt - 1}, outputs 4-{args.max_new - 1}), max_num_seqs {args.max_num_seqs}\n")
-    print("| model | engine, CUDA graphs | engine, eager | engine, mixed steps | generate, CUDA graphs | pass |")
-    print("|---|---|---|---|---|---|")
-    f = lambda a: f"{a['identical']}/{a['of']} (near-ties {a['near_tie_flips']}, other {a['mismatches']})"
-    for name, r in res.items():
-        print(f"| {name} | {f(r['engine_graphs'])} | {f(r['engine_eager'])} | {f(r['engine_mixed'])} | "
-              f"{f(r['generate_graphs'])} | "
-              f"{'yes' if r['pass'] else 'NO'} |")
     return res, ok
 
 
