@@ -42,7 +42,7 @@ import kimi_linear.ops.moe as moe_op
 from kimi_linear.layers import SparseMoE
 from kimi_linear.ops import fused_moe
 from kimi_linear.ops.moe import fused_moe_torch
-from kimi_linear.ops.triton.moe import MoELaunch, grouped_launch, moe_launch
+from kimi_linear.ops.triton.moe import MoELaunch, moe_launch
 from kimi_linear.ops.triton.moe import fused_moe as tri_fused_moe
 
 BAR = 2.0**-8
@@ -295,10 +295,6 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
 SWEEP = dict(tma=[False, True], BM=[16, 32, 64, 128], BN1=[32, 64, 128], BK1=[64, 128, 256], warps1=[4, 8],
              stages1=[2, 3, 4, 5],
              BN2=[32, 64, 128, 256], BK2=[64, 128, 256], warps2=[4, 8], stages2=[2, 3, 4, 5])
-# N = 1: the two matrix-vector kernels' tiles (MoELaunch.gemv; the grouped kernels' table shape timed beside)
-SWEEP_ONE = dict(BN1=[4, 8, 16, 32], BK1=[128, 256, 512, 1024], warps1=[2, 4, 8],
-                 stages1=[1, 2, 3], BN2=[4, 8, 16, 32], BK2=[128, 256, 512, 1024], warps2=[2, 4, 8],
-                 stages2=[1, 2, 3])
 
 
 def time_sweep_point(s: Setup, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reps: int,
@@ -310,9 +306,8 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
     """One pass of coordinate search per N: each field of MoELaunch in turn over its candidates, keeping the best;
     a shape that fails to compile or run is skipped. The best is checked against the reference."""
     rows, ok_all = [], True
+    space = {k: v[:2] for k, v in SWEEP.items()} if smoke else SWEEP
     for N in Ns:
-        space = SWEEP_ONE if N == 1 else SWEEP
-        space = {k: v[:2] for k, v in space.items()} if smoke else space
         x = s.randn((N, s.W))
         weights, ids = s.routing(N, "random")
         ref = s.reference(x, weights, ids)
@@ -322,8 +317,6 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
         start = moe_launch(N, s.k, s.E, s.W, s.I, torch.bfloat16)
         best, best_t = start, timed(start)
         t0 = best_t
-        # one token: the grouped kernels' shape (what N = 1 ran before the matrix-vector kernels), for comparison
-        t_grouped = timed(grouped_launch(N, s.k, s.E, torch.bfloat16)) if N == 1 else None
         for field, values in space.items():
             for v in values:
                 cfg = replace(best, **{field: v})
@@ -339,7 +332,7 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
         with torch.inference_mode():
             err = rel(tri_fused_moe(x, s.w13, s.w2, weights, ids, launch=best), ref)
         ok_all &= err < BAR
-        r = {"E": s.E, "N": N, "grouped us": t_grouped, "table us": t0, "best us": best_t, "speedup": t0 / best_t, "err": err,
+        r = {"E": s.E, "N": N, "table us": t0, "best us": best_t, "speedup": t0 / best_t, "err": err,
              "ok": "ok" if err < BAR else "FAIL", "best": str(asdict(best)),
              "GB/s": s.distinct_bytes(ids) / best_t / 1e3}
         rows.append(r)

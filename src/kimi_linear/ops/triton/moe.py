@@ -18,21 +18,11 @@ n's j-th choice for j < k, its shared expert ``E + j - k`` after; :func:`pair_ex
    expert) -> ``y`` [M, W] float32 at the pair's row.
 4. combine: ``out[n] = sum_j y[n * K + j]`` in a fixed order (deterministic, no atomics), cast to x's dtype.
 
-One token (N = 1, a batch-1 decode step) is a pair of matrix-vector products per expert, and runs two kernels of
-its own (``MoELaunch.gemv``) instead of the four:
-
-1. gate/up (K * ceil(I / BN1) programs): pair j's BN1 columns of ``h[j] = glu(w1[e_j] x, w3[e_j] x)``, float32
-   products summed elementwise over W's steps and reduced once (no tensor cores: one row would fill 1/16 of an
-   MMA tile, and a program this light keeps many of them resident on each SM).
-2. down + combine (ceil(W / BN2) programs): BN2 columns of ``out = residual + sum_j r_j w2[e_j] h[j]``, the pairs
-   in order j = 0 .. K - 1 as in step 4, float32 until the one rounding.
-
-The grouped kernels' tiles are large (a [BN1, BK1] weight tile per stage in shared memory, 110 KB at N = 1), so
-at most two programs fit on an SM and the last wave of 144 gate/up programs on 132 SMs runs half empty; the
-products here hold no shared memory and their programs fill the SMs evenly. With ``gemv`` off, N = 1 skips step
-1 of the grouped pipeline instead: its K pairs go to K different experts (top-k ids are distinct; a repeated or
-out-of-range id is still computed correctly), so block j simply holds pair j (:func:`one_token_slots`). Both
-forms skip a pair whose routed id is outside [0, E), as the sort leaves such pairs out; it adds 0.
+One token (N = 1, a batch-1 decode step) skips step 1: its K pairs go to K different experts (top-k ids are
+distinct; a repeated or out-of-range id is still computed correctly below), so block j simply holds pair j. That
+``slot_pair`` depends on (K, BM) only and is built once per device (:func:`one_token_slots`), and the step is one
+launch shorter. The kernels exit for a block whose pair has no expert (a routed id outside [0, E)), as the sort
+leaves such pairs out; combine adds 0 for them.
 
 Decoding is bound by reading the chosen experts' weights: a block reads its expert's weights once per column
 tile, so BM is chosen at or above the typical number of tokens per expert (:func:`moe_launch`), and the column
@@ -74,10 +64,6 @@ class MoELaunch:
     # routed experts in a CUDA graph (`bench/moe_gpu.py --E 32 --N 1,8,128,256` without / with `--tma`):
     # 40.8 / 116.2 / 145.6 / 171.7 us against 38.5 / 114.4 / 141.7 / 172.3 with descriptors, checks passed.
     tma: bool = True
-    # N = 1 only: the two matrix-vector kernels (module docstring); BN1 / BK1 / warps1 / stages1 are then the
-    # gate/up kernel's columns of I per program, steps over W, warps and stages, BN2 / BK2 / warps2 / stages2 the
-    # down kernel's columns of W, steps over I, warps and stages.
-    gemv: bool = False
 
 
 def moe_launch(N: int, k: int, E: int, W: int, I: int, dtype: torch.dtype) -> MoELaunch:
@@ -86,15 +72,8 @@ def moe_launch(N: int, k: int, E: int, W: int, I: int, dtype: torch.dtype) -> Mo
 
     While the step is bound by weight bandwidth (up to thousands of pairs for E = 256), a block should hold all
     of an expert's tokens: its weights are then read once. With balanced routing an expert gets about
-    ``N k / E`` tokens (Poisson spread), so BM grows with that mean (:func:`grouped_launch`). One token runs the
-    matrix-vector kernels. ``bench/moe_gpu.py --sweep`` times alternatives."""
-    if N == 1:
-        return MoELaunch(BN1=16, BK1=256, warps1=4, stages1=2, BN2=16, BK2=256, warps2=4, stages2=2, gemv=True)
-    return grouped_launch(N, k, E, dtype)
-
-
-def grouped_launch(N: int, k: int, E: int, dtype: torch.dtype) -> MoELaunch:
-    """The grouped kernels' launch shape (:func:`moe_launch` past one token; at one token, for comparison)."""
+    ``N k / E`` tokens (Poisson spread), so BM grows with that mean. Not yet tuned on a GPU:
+    ``bench/moe_gpu.py --sweep`` times alternatives."""
     mean = N * k / E
     if mean <= 8:
         cfg = MoELaunch(BM=16, BN1=64, BK1=128, warps1=4, stages1=4, BN2=64, BK2=128, warps2=4, stages2=4)
@@ -312,96 +291,6 @@ def moe_combine_kernel(
     tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
 
 
-@triton.jit
-def moe_gemv_gate_up_kernel(
-    x, w13, ids,             # [W] one token, [E + S, 2I, W] (strides s_we, s_wn, s_wk), [k] routed ids
-    h,                       # out: [K_ALL, I] in x's dtype; the row of a pair without expert untouched
-    W, I, E, NT, s_we, s_wn, s_wk, beta, linear_beta,
-    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SITU: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Pair j = program // NT, columns BN (program % NT) of I (module docstring, one token, step 1)."""
-    pdl_entry(PDL)
-    i_p = tl.program_id(0)
-    i_j, i_n = i_p // NT, i_p % NT
-    i_e = pair_expert(ids, i_j, i_j >= 0, K_TOP, K_ALL, E).to(tl.int64)
-    if i_e < 0:
-        return
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_k = tl.arange(0, BK)
-    m_n = o_n < I
-    p_g = w13 + i_e * s_we + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :] * s_wk                   # [BN, BK]
-    p_u = p_g + I * s_wn
-    # Elementwise partial sums, reduced once after the loop: the steps' loads do not wait on a reduction.
-    b_acc_g = tl.zeros([BN, BK], dtype=tl.float32)
-    b_acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in range(0, W, BK):
-        m_k = o_k < W - k0
-        b_x = tl.load(x + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)                                # [BK]
-        m_w = m_n[:, None] & m_k[None, :]
-        b_acc_g += tl.load(p_g, mask=m_w, other=0.0).to(tl.float32) * b_x[None, :]                     # [BN, BK]
-        b_acc_u += tl.load(p_u, mask=m_w, other=0.0).to(tl.float32) * b_x[None, :]
-        p_g += BK * s_wk
-        p_u += BK * s_wk
-    b_h = glu(tl.sum(b_acc_g, 1), tl.sum(b_acc_u, 1), beta, linear_beta, SITU)                          # [BN]
-    tl.store(h + i_j * I + o_n, cast(b_h, h.dtype.element_ty), mask=m_n)
-
-
-@triton.jit
-def moe_gemv_down_kernel(
-    h, w2, ids, topk_weights, residual,  # [K_ALL, I], [E + S, W, I] (strides s_we, s_wn, s_wk), [k] x 2, [W]
-    out,                                 # out: [W] in x's dtype
-    W, I, E, s_we, s_wn, s_wk,
-    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Columns BN (program) of W: the pairs' down products weighted and summed in order, then the residual (module
-    docstring, one token, step 2). A pair without expert reads nothing (masked loads: its h row is not written)
-    and adds 0."""
-    pdl_entry(PDL)
-    i_n = tl.program_id(0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_k = tl.arange(0, BK)
-    m_n = o_n < W
-    b_o = tl.zeros([BN], dtype=tl.float32)                                                               # [BN]
-    for i_j in range(K_ALL):
-        j = i_j + tl.zeros([], dtype=tl.int32)                 # a tensor under the interpreter too (masks below)
-        i_e = pair_expert(ids, j, j >= 0, K_TOP, K_ALL, E)
-        I_j = tl.where(i_e >= 0, I, 0)                         # steps to read: none for a pair without expert
-        b_r = tl.where(j < K_TOP, tl.load(topk_weights + tl.minimum(j, K_TOP - 1)), 1.0)   # 1: shared expert
-        p_w = w2 + tl.maximum(i_e, 0).to(tl.int64) * s_we + o_n[:, None].to(tl.int64) * s_wn + o_k[None, :] * s_wk
-        b_acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            m_k = o_k < I_j - k0
-            b_h = tl.load(h + j * I + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)                      # [BK]
-            b_acc += tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32) * b_h[None, :]
-            p_w += BK * s_wk
-        b_o += tl.sum(b_acc, 1) * b_r
-    if RESIDUAL:
-        b_o += tl.load(residual + o_n, mask=m_n, other=0.0).to(tl.float32)
-    tl.store(out + o_n, cast(b_o, out.dtype.element_ty), mask=m_n)
-
-
-def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, k: int, E: int, cfg: MoELaunch, activation: str, situ_beta: float,
-                        situ_linear_beta: float, residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """N = 1 through the two matrix-vector kernels (module docstring): x, out [1, W]; ids, weights [k]."""
-    W, I, K = x.shape[1], w2.shape[2], k + w13.shape[0] - E
-    h = torch.empty(K, I, dtype=x.dtype, device=x.device)
-    NT1 = triton.cdiv(I, cfg.BN1)
-    moe_gemv_gate_up_kernel[(K * NT1,)](
-        x, w13, ids, h, W, I, E, NT1, *w13.stride(), float(situ_beta), float(situ_linear_beta), K_TOP=k, K_ALL=K,
-        BN=cfg.BN1, BK=cfg.BK1, SITU=activation == "situ", num_warps=cfg.warps1, num_stages=cfg.stages1,
-        **pdl_args(x.device),
-    )
-    moe_gemv_down_kernel[(triton.cdiv(W, cfg.BN2),)](
-        h, w2, ids, weights, out if residual is None else residual, out, W, I, E, *w2.stride(), K_TOP=k, K_ALL=K,
-        BN=cfg.BN2, BK=cfg.BK2, RESIDUAL=residual is not None, num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **pdl_args(x.device),
-    )
-    return out
-
-
 _ONE_TOKEN_SLOTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
@@ -454,11 +343,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ids = topk_ids.reshape(-1)
     ids = ids if ids.stride(0) == 1 else ids.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    if N == 1 and cfg.gemv:
-        return fused_moe_one_token(x, w13, w2, weights, ids, k, E, cfg, activation, situ_beta, situ_linear_beta,
-                                   residual, out)
     if N == 1:
         slot_pair = one_token_slots(K, BM, x.device)
         NB = K
@@ -488,6 +372,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TMA=d_w2 is not None, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl_args(x.device),
     )
     BW = min(1024, triton.next_power_of_2(W))
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
     moe_combine_kernel[(N, triton.cdiv(W, BW))](
         y, ids, out if residual is None else residual, out, W, E, 0 if residual is None else residual.stride(0),
         K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4, **pdl_args(x.device),
