@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import INTERPRET, cast
-from .pdl import pdl_args, pdl_entry
+from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2
 from .tma import tensor_descriptor_class, tma_supported
 
 
@@ -436,14 +436,17 @@ def router_logits_kernel(
     logits,                  # out: [N, E] float32
     N, E, D, s_xn, s_we,
     BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """BN rows x BE experts per program: float32 products (exact float32 FMA arithmetic, no tensor cores: the
     router's top-k is sensitive to the last bits) accumulated elementwise over D's steps of BK, then reduced once:
     the steps' loads have no reduction between them and overlap (a GEMV this small waits on load latency). BN is
-    fixed by the wrapper, never by N, so a row's sums do not depend on the rows beside it."""
-    pdl_entry(PDL)
+    fixed by the wrapper, never by N, so a row's sums do not depend on the rows beside it. With PREFETCH the
+    program's weight rows (contiguous) go to L2 while the predecessor (the norm that makes x) still runs."""
     i_n, i_e = tl.program_id(0), tl.program_id(1)
+    if PREFETCH:
+        prefetch_l2(w + (i_e * BE).to(tl.int64) * s_we, tl.minimum(E - i_e * BE, BE) * D * 4)
+    pdl_entry(PDL)
     o_n = i_n * BN + tl.arange(0, BN)
     o_e = i_e * BE + tl.arange(0, BE)
     o_k = tl.arange(0, BK)
@@ -476,5 +479,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, ROUTER_BN), triton.cdiv(E, ROUTER_BE))
     router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), BN=ROUTER_BN,
-                               BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device))
+                               BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device),
+                               **prefetch_args(x.device, weight.stride(0) == D and D % 4 == 0
+                                               and weight.data_ptr() % 16 == 0))
     return logits
