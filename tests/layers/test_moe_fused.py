@@ -182,26 +182,3 @@ def test_model_checkpoint_round_trip_keeps_packing(tmp_path, fused):
     with torch.inference_mode():
         ref = model(ids).logits
     assert rel_err(got, ref) < 1e-5
-
-
-def test_weight_ahead_names_the_first_matrix_each_layer_reads():
-    """What each norm prefetches (layers.packing.weight_ahead): a mixer's packed input projection, a MoE layer's
-    shared expert's gate|up (stacked after the routed experts), a dense FFN's gate|up; None for a module without a
-    packing and once a weight is replaced (the packing broken)."""
-    from kimi_linear.layers.packing import weight_ahead
-
-    model = KimiLinearForCausalLM(make_config(num_hidden_layers=4))
-    model.optimize_layout()
-    assert weight_ahead(None) is None and weight_ahead(model.model.norm) is None
-    for layer in model.model.layers:
-        assert weight_ahead(layer.self_attn) is layer.self_attn._pack.weight
-        if layer.is_moe:
-            moe = layer.block_sparse_moe
-            w13 = moe._packed_experts()[0]
-            assert weight_ahead(moe).data_ptr() == w13[len(moe.experts)].data_ptr()
-            assert weight_ahead(moe).shape == w13.shape[1:]
-        else:
-            assert weight_ahead(layer.mlp) is layer.mlp._pack.weight
-    attn = model.model.layers[0].self_attn
-    attn.k_proj.weight.data = attn.k_proj.weight.data.clone()
-    assert weight_ahead(attn) is None

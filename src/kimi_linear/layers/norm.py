@@ -27,24 +27,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     @overload
-    def forward(self, x: torch.Tensor, residual: None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
 
     @overload
-    def forward(self, x: torch.Tensor, residual: torch.Tensor,
-                prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prefetch: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [..., hidden_size] -> same shape and dtype.
 
         With ``residual`` (x's shape): the residual add fused in front, ``s = residual + x``; returns
         ``(norm(s), s)`` (:func:`kimi_linear.ops.rms_norm.add_rms_norm`, one kernel instead of an add and a norm).
-        ``prefetch``: the matrix read next, brought into L2 by the GPU kernel (:func:`kimi_linear.ops.rms_norm`).
         """
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, prefetch)
-        s, y = add_rms_norm(residual, x, self.weight, self.eps, prefetch)
+            return rms_norm(x, self.weight, self.eps)
+        s, y = add_rms_norm(residual, x, self.weight, self.eps)
         return y, s
 
     def extra_repr(self) -> str:

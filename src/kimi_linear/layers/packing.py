@@ -71,13 +71,3 @@ class PackedLinears:
         if self.valid():
             return list(linear(x, self.weight).split(self.sizes, dim=-1))
         return [lin(x) for lin in self.linears]
-
-
-def weight_ahead(module: nn.Module | None) -> torch.Tensor | None:
-    """The matrix ``module`` (a mixer or an FFN) reads first in full, for the norm before it to prefetch into L2
-    (:func:`kimi_linear.ops.rms_norm.rms_norm`'s ``prefetch``): its packed input projection (``_pack``), or for a
-    MoE layer (which has ``shared_experts``) its shared expert's packed gate|up, stacked beside the routed
-    experts; None while a packing is broken or was never made."""
-    module = getattr(module, "shared_experts", module)
-    pack = getattr(module, "_pack", None)
-    return pack.weight if isinstance(pack, PackedLinears) and pack.intact() else None

@@ -25,7 +25,6 @@ from kimi_linear.layers import (
     make_glu,
 )
 from kimi_linear.layers.context_parallel import ContextParallel
-from kimi_linear.layers.packing import weight_ahead
 
 from .cache import HybridCache
 from .config import k3_options, validate_config
@@ -118,13 +117,9 @@ class KimiLinearDecoderLayer(nn.Module):
                                           cu_seqlens, context_parallel)
             assert state.partial is not None
             return state.blocks, state.partial
-        # Each norm's GPU kernel brings the start of the next projection's weights into L2 (weight_ahead)
-        ahead = x.is_cuda and not torch.is_grad_enabled()
-        h = self._attn(self.input_layernorm(x, prefetch=weight_ahead(self.self_attn) if ahead else None), cache,
-                       padding_mask, attn_mask, cu_seqlens, context_parallel)
+        h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
         # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        normed, x = self.post_attention_layernorm(h, residual=x, prefetch=weight_ahead(ffn) if ahead else None)
+        normed, x = self.post_attention_layernorm(h, residual=x)
         if self.is_moe:
             return self.block_sparse_moe(normed, residual=x)       # the fused MoE adds x in its combine
         return x + self.mlp(normed)

@@ -118,7 +118,7 @@ def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Ten
         moe.static_dispatch = True
     try:
         x = m.run_layers(m.embed_tokens(ids[:, None]), caches, None, None)
-        return model.lm_head(m.norm(x, prefetch=model.lm_head.weight))[:, -1].float()
+        return model.lm_head(m.norm(x))[:, -1].float()
     finally:
         for moe in moes:
             moe.static_dispatch = False

@@ -35,32 +35,26 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-             prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x: [..., D], weight: [D] -> [..., D] (module docstring) in ``torch.promote_types(weight.dtype, x.dtype)``
-    (x's dtype when they match). Differentiable (through the PyTorch path).
-
-    ``prefetch``: the matrix the caller reads next (its projection's weight). The GPU kernel asks for its first
-    megabytes in L2 before it starts, so they arrive while the norm and the next launch leave HBM idle (a decode
-    step is a chain of such small kernels between bandwidth-bound products); it never changes a result and is
-    ignored where the kernel cannot prefetch (CPU, the interpreter, before sm_90)."""
+    (x's dtype when they match). Differentiable (through the PyTorch path)."""
     check_rms_norm_inputs(x, weight)
     fast = for_inference(triton_op("rms_norm", x), x, weight)
-    return fast(x, weight, eps, prefetch) if fast is not None else rms_norm_torch(x, weight, eps)
+    return fast(x, weight, eps) if fast is not None else rms_norm_torch(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm: ``(s, rms_norm(s, weight))`` with ``s = x + delta``; x, delta:
     [..., D] of one shape. Returns s (x's dtype when delta's matches, else torch's promotion) and the norm as
-    :func:`rms_norm` gives it; ``prefetch`` as there."""
+    :func:`rms_norm` gives it."""
     check_rms_norm_inputs(x, weight)
     if delta.shape != x.shape or delta.device != x.device:
         raise ValueError(f"add_rms_norm: delta must be x's shape {tuple(x.shape)} on {x.device}, got "
                          f"{tuple(delta.shape)} on {delta.device}")
     fast = for_inference(triton_op("add_rms_norm", x), x, weight, delta) if delta.dtype == x.dtype else None
     if fast is not None:
-        return fast(x, delta, weight, eps, prefetch)
+        return fast(x, delta, weight, eps)
     s = x + delta
     return s, rms_norm_torch(s, weight, eps)
 

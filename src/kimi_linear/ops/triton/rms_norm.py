@@ -15,19 +15,12 @@ the norm).
 
 from __future__ import annotations
 
-# Bytes of the caller's next matrix brought into L2 while a norm runs (``prefetch``): about what HBM delivers over a
-# norm and the launch after it (~3 us at 4.2 TB/s). EXPERIMENT: KL_PFB overrides (A/B), to be removed.
-import os as _os
-
 import torch
 import triton
 import triton.language as tl
 
 from .chunk_common import cast
-from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2
-
-PREFETCH_BYTES = int(_os.environ.get("KL_PFB", str(8 << 20)))
-PREFETCH_CHUNK = 1 << 20       # bytes per bulk prefetch instruction
+from .pdl import pdl_args, pdl_entry
 
 
 @triton.jit
@@ -38,17 +31,10 @@ def rms_norm_kernel(
     N, sx, sd, sy, eps,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_DELTA: tl.constexpr, SCATTER: tl.constexpr,
     TAIL: tl.constexpr, BT: tl.constexpr,
-    pf, pf_n,                         # PREFETCH: pf_n elements of pf (contiguous, 16-byte aligned) into L2
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The norm of each row's first D columns; with TAIL > 0 the row's next TAIL columns are copied after it
-    unchanged (an MLA cache entry: normed latent | rope key), with SCATTER written to rows ``dst`` of y. With
-    PREFETCH, program 0 first asks for the caller's next matrix in L2 (it depends on nothing this step computes)."""
-    if PREFETCH:
-        if tl.program_id(0) == 0:
-            es: tl.constexpr = pf.dtype.element_ty.primitive_bitwidth // 8
-            for c0 in range(0, pf_n, PF_CHUNK // es):
-                prefetch_l2(pf + c0, tl.minimum(pf_n - c0, PF_CHUNK // es) * es)
+    unchanged (an MLA cache entry: normed latent | rope key), with SCATTER written to rows ``dst`` of y."""
     pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
@@ -85,20 +71,8 @@ def row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, t.stride(0)
 
 
-def prefetch_launch(t: torch.Tensor | None, device: torch.device) -> dict:
-    """The kernel's prefetch arguments for ``t``: its first PREFETCH_BYTES (rounded down to 16) when it is a
-    contiguous, 16-byte aligned tensor on the kernel's device and the kernel can prefetch there; else off."""
-    if t is not None and t.dim() == 2 and not t.is_contiguous():
-        t = t.t()                    # a matrix stored transposed (PackedLinears' layout): the same bytes
-    ok = (t is not None and t.device == device and t.is_contiguous() and t.data_ptr() % 16 == 0
-          and PREFETCH_BYTES >= 16)
-    n = (min(t.numel() * t.element_size(), PREFETCH_BYTES) // 16 * 16) // t.element_size() if ok else 0
-    args = prefetch_args(device, n > 0)
-    return dict(pf=t if args["PREFETCH"] else None, pf_n=n, PF_CHUNK=PREFETCH_CHUNK, **args)
-
-
-def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-           prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm, sum or None), both [..., D] contiguous."""
     D = x.shape[-1]
     x_r, sx = row_view(x)
@@ -112,7 +86,7 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, ep
     rms_norm_kernel[(triton.cdiv(N, BR),)](
         x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, dst=x_r, N=N, sx=sx, sd=sd,
         sy=D, eps=eps, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
-        num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device), **prefetch_launch(prefetch, x.device),
+        num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device),
     )
     return y, s
 
@@ -130,20 +104,18 @@ def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
         x=x, delta=x, w=weight.contiguous(), y=out, s=out, dst=rows.contiguous(), N=N, sx=x.stride(0), sd=0,
         sy=out.stride(0), eps=eps, D=D, BR=1, BD=BD, HAS_DELTA=False, SCATTER=True, TAIL=W - D,
         BT=max(1, triton.next_power_of_2(W - D)), num_warps=max(1, min(8, BD // 256)), **pdl_args(x.device),
-        **prefetch_launch(None, x.device),
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-             prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """:func:`kimi_linear.ops.rms_norm.rms_norm` (arguments checked there)."""
-    return launch(x, None, weight, eps, prefetch)[0]
+    return launch(x, None, weight, eps)[0]
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.rms_norm.add_rms_norm` (arguments checked there; delta has x's dtype):
     ``(x + delta, rms_norm(x + delta))``."""
-    y, s = launch(x, delta, weight, eps, prefetch)
+    y, s = launch(x, delta, weight, eps)
     assert s is not None
     return s, y
