@@ -9,7 +9,9 @@ has completed and its writes are visible) before touching anything the predecess
 Every kernel that takes part calls :func:`pdl_entry` first thing: it waits for its predecessor, then lets its own
 successor launch. Waiting before any load or store keeps each kernel exactly as ordered as without PDL (the only
 overlap is the successor's launch and set-up with this kernel's run), so it is correct whatever the predecessor is
-(a cuBLAS kernel never signals: its successor then launches when it completes, as without PDL). H200, 2026-12-02,
+(a cuBLAS kernel never signals: its successor then launches when it completes, as without PDL). The one thing a
+kernel may do before waiting is :func:`prefetch_l2` of weights that nothing in the step writes (a hint to the
+memory system: it reads nothing into the program and cannot change a result). H200, 2026-12-02,
 the 8-layer 48B-shaped model at batch 1 and 131,072 tokens of context, CUDA-graph replay of a step (two runs each):
 1.162 / 1.138 ms without, 1.102 / 1.076 ms with. On for every sm_90+ device where Triton has it; never under
 Triton's interpreter.
