@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.moe import fused_moe, fused_moe_available, router_logits, router_topk
+from ..ops.moe import fused_moe, fused_moe_available, router_logits, sigmoid_topk
 from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
@@ -76,10 +76,10 @@ class SigmoidTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
-        if self.n_group == 1:       # one Triton kernel on a GPU for both steps when no gradient is needed
-            return router_topk(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
-                               self.routed_scaling_factor)
         logits = router_logits(x, self.weight)            # float32 (float64 for float64 inputs): x widened first
+        if self.n_group == 1:       # one Triton kernel on a GPU when no gradient is needed (ops.sigmoid_topk)
+            return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize,
+                                self.routed_scaling_factor)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:

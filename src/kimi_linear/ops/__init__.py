@@ -7,7 +7,7 @@ from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
 from .conv import short_conv
 from .gate import fused_kda_gate, l2norm
 from .mla_decode import paged_mla_decode
-from .moe import fused_moe, router_logits, router_topk, sigmoid_topk
+from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
@@ -30,7 +30,7 @@ __all__ = [
     "paged_decode_rows",
     "paged_mla_decode",
     "rms_norm_write",
-    "router_logits", "router_topk",
+    "router_logits",
     "short_conv",
     "sigmoid_topk",
 ]

@@ -23,8 +23,6 @@ matmuls per expert; it reads the routing on the host) and the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -175,25 +173,6 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # would then be decided by rounding, and sigmoid_topk refuses 16-bit logits.
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(x.to(acc), weight.to(acc))
-
-
-def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sigmoid router end to end: ``sigmoid_topk(router_logits(x, weight), bias, k, renormalize, scale)``
-    (arguments as there) -> (weights [N, k], expert ids [N, k] int64).
-
-    On CUDA, without autograd, for up to ROUTER_TRITON_MAX_TOKENS rows of float32 weights and bias: one Triton
-    launch for both steps (the logits' last program of each row block routes it), the same values as the two
-    kernels; else the two steps."""
-    # EXPERIMENT switch for the H200 A/B (KL_RTK=0: the two kernels), to be removed with the measurement
-    if os.environ.get("KL_RTK", "1") == "1" and \
-            x.dim() == 2 and x.shape[0] <= ROUTER_TRITON_MAX_TOKENS and weight.dtype == bias.dtype == torch.float32 \
-            and weight.dim() == 2 and x.shape[1] == weight.shape[1] and tuple(bias.shape) == (weight.shape[0],) \
-            and 1 <= k <= weight.shape[0]:
-        fast = for_inference(triton_op("router_topk", x), x, weight, bias)
-        if fast is not None:
-            return fast(x, weight, bias, k, renormalize, scale)
-    return sigmoid_topk(router_logits(x, weight), bias, k, renormalize, scale)
 
 
 def sigmoid_topk_torch(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,

@@ -11,7 +11,7 @@ moe_gpu.py, fused_small_gpu.py; BENCHMARKS.md).
 from .chunk import chunk_kda
 from .conv import short_conv, short_conv_decode
 from .mla_decode import paged_mla_decode
-from .moe import fused_moe, router_logits, router_topk, sigmoid_topk
+from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
@@ -19,6 +19,6 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_write
 
 __all__ = [
     "add_rms_norm", "chunk_kda", "fused_moe", "fused_recurrent_kda", "gated_rms_norm", "paged_decode_rows",
-    "paged_mla_decode", "rms_norm", "rms_norm_write", "router_logits", "router_topk", "short_conv", "short_conv_decode",
+    "paged_mla_decode", "rms_norm", "rms_norm_write", "router_logits", "short_conv", "short_conv_decode",
     "sigmoid_topk",
 ]

@@ -382,14 +382,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 @triton.jit
-def topk_row(b_logit, bias, weights, ids, i_n, E, scale,
-             K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr):
-    """Token i_n's K_TOP largest ``sigmoid(logit) + bias`` in decreasing order (first index on a tie), by K_TOP
-    passes of max / argmin-index / knock-out over the row held in registers (b_logit [BE], past E ignored);
-    writes its weights (renormalised, scaled) and ids."""
+def sigmoid_topk_kernel(
+    logits, bias,            # [N, E] float32, [E] float32
+    weights, ids,            # out: [N, K_TOP] float32, [N, K_TOP] int64
+    E, scale,
+    K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One token per program: the K_TOP largest ``sigmoid(logit) + bias`` in decreasing order (first index on a
+    tie), by K_TOP passes of max / argmin-index / knock-out over the row held in registers."""
+    pdl_entry(PDL)
+    i_n = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BE)
     m_e = o_e < E
-    b_s = tl.sigmoid(b_logit)                                                                # [BE]
+    b_s = tl.sigmoid(tl.load(logits + i_n * E + o_e, mask=m_e, other=0.0))                  # [BE]
     b_c = b_s + tl.load(bias + o_e, mask=m_e, other=0.0)
     # NaN ranks first, as in torch.topk (it then reaches the output, as on the PyTorch path, instead of an
     # out-of-range id that the fused MoE would silently drop).
@@ -407,22 +413,6 @@ def topk_row(b_logit, bias, weights, ids, i_n, E, scale,
     m_k = o_k < K_TOP
     tl.store(weights + i_n * K_TOP + o_k, b_w * scale, mask=m_k)
     tl.store(ids + i_n * K_TOP + o_k, b_i.to(tl.int64), mask=m_k)
-
-
-@triton.jit
-def sigmoid_topk_kernel(
-    logits, bias,            # [N, E] float32, [E] float32
-    weights, ids,            # out: [N, K_TOP] float32, [N, K_TOP] int64
-    E, scale,
-    K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One token per program (:func:`topk_row`)."""
-    pdl_entry(PDL)
-    i_n = tl.program_id(0).to(tl.int64)
-    o_e = tl.arange(0, BE)
-    b_l = tl.load(logits + i_n * E + o_e, mask=o_e < E, other=0.0)                          # [BE]
-    topk_row(b_l, bias, weights, ids, i_n, E, scale, K_TOP, BK, BE, RENORM)
 
 
 def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
@@ -447,19 +437,12 @@ def router_logits_kernel(
     N, E, D, s_xn, s_we,
     BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    bias, weights, ids, counter,       # TOPK: [E] float32; out: [N, K_TOP] float32 / int64; [row blocks] int32
-    scale, TOPK: tl.constexpr, K_TOP: tl.constexpr, BKT: tl.constexpr, BE_ALL: tl.constexpr, RENORM: tl.constexpr,
 ):
     """BN rows x BE experts per program: float32 products (exact float32 FMA arithmetic, no tensor cores: the
     router's top-k is sensitive to the last bits) accumulated elementwise over D's steps of BK, then reduced once:
     the steps' loads have no reduction between them and overlap (a GEMV this small waits on load latency). BN is
     fixed by the wrapper, never by N, so a row's sums do not depend on the rows beside it. With PREFETCH the
-    program's weight rows (contiguous) go to L2 while the predecessor (the norm that makes x) still runs.
-
-    TOPK: the routing too, without a second launch. Each program counts itself done on its row block's counter
-    (``counter[i_n]``, zero on entry) after its logits are stored; the last of the block's programs then sees every
-    logit of its BN rows (the count's release / acquire orders the other programs' stores before its loads) and
-    runs :func:`topk_row` on each, and sets the counter back to zero for the next call (or graph replay)."""
+    program's weight rows (contiguous) go to L2 while the predecessor (the norm that makes x) still runs."""
     i_n, i_e = tl.program_id(0), tl.program_id(1)
     if PREFETCH:
         prefetch_l2(w + (i_e * BE).to(tl.int64) * s_we, tl.minimum(E - i_e * BE, BE) * D * 4)
@@ -480,17 +463,6 @@ def router_logits_kernel(
         p_w += BK
     b_l = tl.sum(b_acc, 2)                                                                        # [BN, BE]
     tl.store(logits + o_n[:, None].to(tl.int64) * E + o_e[None, :], b_l, mask=m_n[:, None] & m_e[None, :])
-    if TOPK:
-        tl.debug_barrier()                       # every thread's logits stored before the program counts itself
-        if tl.atomic_add(counter + i_n, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-            o_a = tl.arange(0, BE_ALL)
-            for r in tl.static_range(BN):
-                row = (i_n * BN + r).to(tl.int64)
-                if row < N:
-                    # .cg: from L2, where the other programs' stores are (never a stale line of this SM's L1)
-                    b_lr = tl.load(logits + row * E + o_a, mask=o_a < E, other=0.0, cache_modifier=".cg")
-                    topk_row(b_lr, bias, weights, ids, row, E, scale, K_TOP, BKT, BE_ALL, RENORM)
-            tl.atomic_xchg(counter + i_n, 0)
 
 
 # Fixed for every N (a row's sums must not depend on its batch). Decode batches read W [E, D] (295 KB for 32
@@ -498,31 +470,8 @@ def router_logits_kernel(
 ROUTER_BN, ROUTER_BE, ROUTER_BK = 4, 2, 1024
 
 
-_ROUTER_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def router_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """Zeroed int32 counters for ``blocks`` row blocks of :func:`router_topk` (each call leaves them zero): one
-    buffer per device and stream (kernels of one stream never overlap on it), grown by doubling. Inside a CUDA-graph
-    capture a fresh zeroed buffer is made instead (its zeroing is then part of the graph, and nothing captured is
-    kept past it)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(blocks, dtype=torch.int32, device=device)
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    buf = _ROUTER_COUNTERS.get(key)
-    if buf is None or buf.numel() < blocks:
-        buf = _ROUTER_COUNTERS[key] = torch.zeros(max(blocks, 2 * (0 if buf is None else buf.numel()), 64),
-                                                  dtype=torch.int32, device=device)
-    return buf
-
-
-NO_TOPK = dict(bias=None, weights=None, ids=None, counter=None, scale=1.0, TOPK=False, K_TOP=1, BKT=1, BE_ALL=1,
-               RENORM=False)
-
-
-def router_launch(x: torch.Tensor, weight: torch.Tensor, topk: dict) -> torch.Tensor:
-    """The router kernel over x [N, D] and weight [E, D] float32 -> logits [N, E] float32 (with ``topk``'s
-    arguments other than NO_TOPK, the routing written to its outputs)."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`kimi_linear.ops.moe.router_logits` (shapes checked there): [N, E] float32."""
     N, D = x.shape
     E = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -532,26 +481,5 @@ def router_launch(x: torch.Tensor, weight: torch.Tensor, topk: dict) -> torch.Te
     router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), BN=ROUTER_BN,
                                BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device),
                                **prefetch_args(x.device, weight.stride(0) == D and D % 4 == 0
-                                               and weight.data_ptr() % 16 == 0), **topk)
+                                               and weight.data_ptr() % 16 == 0))
     return logits
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Triton :func:`kimi_linear.ops.moe.router_logits` (shapes checked there): [N, E] float32."""
-    return router_launch(x, weight, NO_TOPK)
-
-
-def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`kimi_linear.ops.moe.router_topk` (arguments checked there): the router's logits and
-    :func:`sigmoid_topk` of them in one launch (``router_logits_kernel`` with TOPK) -> (weights [N, k] float32,
-    ids [N, k] int64)."""
-    N, E = x.shape[0], weight.shape[0]
-    weights = torch.empty(N, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(N, k, dtype=torch.int64, device=x.device)
-    if N:
-        router_launch(x, weight, dict(bias=bias.float().contiguous(), weights=weights, ids=ids,
-                                      counter=router_counters(x.device, triton.cdiv(N, ROUTER_BN)),
-                                      scale=float(scale), TOPK=True, K_TOP=k, BKT=triton.next_power_of_2(k),
-                                      BE_ALL=triton.next_power_of_2(E), RENORM=renormalize))
-    return weights, ids
