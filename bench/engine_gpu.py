@@ -27,7 +27,6 @@ Markdown tables on stdout; JSON in --out. Exit status 1 when a check of (a) fail
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -36,16 +35,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
-from kimi_linear.engine.pipeline import InFlight
 from kimi_linear.model import KimiLinearForCausalLM, preset_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_timing import timed_steps  # noqa: E402
 from floors import WeightSplit, copy_bandwidth, decode_cache_bytes, sync  # noqa: E402, F401  (re-exported)
 
 
@@ -177,25 +175,6 @@ def bench_engine(model: KimiLinearForCausalLM, seqs: int, tokens: int, block_siz
     return engine
 
 
-@contextlib.contextmanager
-def readback_waits() -> Iterator[list[float]]:
-    """Seconds each pipelined step's token read-back waits for the device, collected while the block runs."""
-    waits: list[float] = []
-    tokens = InFlight.tokens
-
-    def timed(step: InFlight) -> list[int]:
-        t = time.perf_counter()
-        out = tokens(step)
-        waits.append(time.perf_counter() - t)
-        return out
-
-    InFlight.tokens = timed  # type: ignore[method-assign]
-    try:
-        yield waits
-    finally:
-        InFlight.tokens = tokens  # type: ignore[method-assign]
-
-
 def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, steps: int, warmup: int,
                   **cfg: Any) -> dict:
     """Decode-only engine steps with ``batch`` rows past their prompts: tokens/s and step latency."""
@@ -216,23 +195,13 @@ def engine_decode(model: KimiLinearForCausalLM, batch: int, prompt_len: int, ste
     for _ in range(warmup):
         engine.step()
     sync()
-    lat = []
-    with readback_waits() as waits:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            lat.append(time.perf_counter() - t)
-        sync()
-        wall = time.perf_counter() - t0
+    timed = timed_steps(engine, steps)
     assert len(engine.running) == batch, "a request finished inside the timed window"
     for s in list(engine.running):
         engine.abort(s.request_id)
-    out = dict(batch=batch, prompt=prompt_len, tok_per_s=batch * steps / wall, step_ms=1e3 * wall / steps,
-               step_ms_p50=1e3 * statistics.median(lat), prefill_s=prefill_s,
-               # the host's own time a step: the step's wall less its wait for the device's tokens (a pipelined
-               # engine is bound by the device when it waits, by the host when it does not)
-               host_ms=1e3 * (wall - sum(waits)) / steps, wait_ms=1e3 * sum(waits) / steps,
+    out = dict(batch=batch, prompt=prompt_len, tok_per_s=batch * 1e3 / timed["step_ms"], step_ms=timed["step_ms"],
+               step_ms_p50=timed["step_ms_median"], prefill_s=prefill_s, host_ms=timed["host_ms"],
+               wait_ms=timed["wait_ms"],
                graph_steps=engine.counters["graph_decode_forwards"],
                pipelined_steps=engine.counters.get("pipelined_steps", 0))
     del engine

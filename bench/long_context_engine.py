@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import gc
 import math
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from engine_timing import timed_steps
 from floors import WeightSplit, decode_cache_bytes, prefill_flops, sync
 from kimi_linear.engine import EngineConfig, LLMEngine, SamplingParams
 from kimi_linear.model.memory import cache_bytes
@@ -52,23 +52,13 @@ def memory_row(engine: LLMEngine, model: Any, context: int) -> dict[str, Any]:
 
 
 def _timed_steps(engine: LLMEngine, warmup: int, steps: int) -> dict[str, float]:
-    """``warmup`` engine steps (the first captures the bucket's graph), then ``steps`` timed ones: TPOT is their
-    wall time over ``steps`` (with the engine's pipelined decode a step returns once the step before it is read
-    back, while its own still runs, so one call's time is not its step's; the wall time of many is); then the same
-    bucket's graph replayed alone ``steps`` times (the device's share, without the engine's host work)."""
+    """``warmup`` engine steps (the first captures the bucket's graph), then ``steps`` timed ones (TPOT: their wall
+    time over ``steps``, and the host's own share: ``engine_timing.timed_steps``); then the same bucket's graph
+    replayed alone ``steps`` times (the device's share, without the engine's host work)."""
     for _ in range(warmup):
         engine.step()
     sync()
-    lat = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        lat.append(time.perf_counter() - t)
-    sync()
-    wall = time.perf_counter() - t0
-    out = dict(step_ms=1e3 * wall / steps, step_ms_median=1e3 * statistics.median(lat),
-               step_ms_min=1e3 * min(lat), steps=steps, pipelined_steps=engine.counters.get("pipelined_steps", 0))
+    out = dict(timed_steps(engine, steps), steps=steps, pipelined_steps=engine.counters.get("pipelined_steps", 0))
     graphs = engine.runner.graphs
     # a failed capture decodes eagerly from then on (far slower): the row says so
     out.update(graph_steps=engine.counters["graph_decode_forwards"],
