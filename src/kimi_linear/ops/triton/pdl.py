@@ -58,11 +58,9 @@ def prefetch_l2(p, nbytes):
     thread of the program (``cp.async.bulk.prefetch``, sm_90). Issued before :func:`pdl_entry` by a kernel whose
     weights do not depend on its predecessor, so the bytes arrive while the predecessor still runs.
 
-    H200, 2026-12-02, the 8-layer 48B-shaped step at batch 1 (``bench/profile_decode.py``): the router GEMV's
-    18 KB of weight rows a program, 3.9 -> 3.2 us a call. Rejected the same day: the MoE down kernel prefetching
-    its 128 KB weight tile rows while the gate/up kernel streams (one token: 37.2 -> 38.6 us for the three
-    kernels, batch 8: 106 -> 113; the first 32 KB only: 36.8 / 105, within noise; with an evict_last hint: 39.2
-    / 114): the prefetch competes with gate/up for the same bandwidth and is partly evicted before use."""
+    It pays only behind a predecessor that leaves HBM idle (the router GEMV behind a norm: 3.9 -> 3.2 us a call on
+    the H200); behind a bandwidth-bound one (the MoE down kernel behind gate/up) it competes for the same bandwidth
+    and was slower (BENCHMARKS.md, fused MoE)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
