@@ -109,7 +109,7 @@ CASES = [  # (lens, block size, splits, heads)
     ([300, 1, 17, 64], 16, 5, 20),       # 5 splits (all past the length-1 row's one key); 2 head blocks
     ([130, 64, 3], 64, 4, 5),            # 64-key blocks: a key tile inside one block
     ([257, 9], 64, 16, 3),               # more splits than tiles
-    ([3000, 70], 16, 100, 3),            # more splits than one merge step takes (MERGE_BS): online rescaling
+    ([3000, 70], 16, 100, 3),            # 94 used splits of one tile each
 ]
 
 
@@ -142,6 +142,21 @@ def test_triton_kimi_width(dtype):
     for kw in ({}, dict(zip(LAUNCH_KEYS, LAUNCH_LONG))):
         ctx, lse = triton_decode(q, cache, table, seq, 192 ** -0.5, 512, **kw)
         assert rel_err(ctx, ctx_ref) < 5e-3 and (lse.double() - lse_ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("merge_bs", [4, 16])
+def test_triton_merge_in_several_steps(monkeypatch, merge_bs):
+    """A row's splits merged a few at a time (the default takes up to MERGE_BS = 128 a step, so CASES merge in one):
+    the online rescaling between merge steps, with a partial last step."""
+    pytest.importorskip("triton")
+    from kimi_linear.ops.triton import mla_decode as tri
+
+    monkeypatch.setattr(tri, "MERGE_BS", merge_bs)
+    q, cache, table, seq = make_case([3000, 70], bs=16, H=3, dtype=torch.float32, seed=7)
+    ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, num_splits=50)
+    ctx_ref, lse_ref = reference(q, cache, table, seq, 0.25, 32)
+    bar, lse_bar = bars(torch.float32)
+    assert rel_err(ctx, ctx_ref) < bar and (lse.double() - lse_ref).abs().max() < lse_bar
 
 
 def test_triton_empty_row_wide_int64_table_and_mixed_dtypes():
