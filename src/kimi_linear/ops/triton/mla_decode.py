@@ -49,9 +49,9 @@ LAUNCH = {2: (16, 32, 4, 3), 4: (16, 32, 8, 2)}     # pool element size -> (BH, 
 LAUNCH_LONG = (32, 64, 8, 3)                 # 16-bit pools, splits of >= LONG_SPLIT_KEYS keys (184 KB of shared memory)
 LONG_SPLIT_KEYS = 512   # 1 row x 128k in 132 splits of ~1k keys: 0.077 ms with these tiles, 0.091 with LAUNCH's
 LONG_PER_SM = 1         # one [32, 64] program per SM fills it (128 rows x 4k: 1 split, no merge pass; 2 were slower)
-# Merge programs of MERGE_BV channels taking up to MERGE_BS splits a loop step: 1 x 128k (132 splits) in two steps of
-# 8 x 32 x 1 programs. H200, graph replays of the whole op, three runs each: 76.5-76.8 us at 1 x 128k and 456.9 at
-# 1 x 1M against 79.9 / 460.6 with 128 channels and 64 splits a step (4k: one split, no merge).
+# Merge programs of MERGE_BV channels taking up to MERGE_BS splits a loop step: 1 x 128k (128 used splits of 132) in
+# one step of 8 x 32 x 1 programs. H200, graph replays of the whole op, three runs each: 76.5-76.8 us at 1 x 128k and
+# 456.5-456.9 at 1 x 1M against 79.9 / 460.2-460.7 with 128 channels and 64 splits a step (4k: one split, no merge).
 MERGE_BV = 64
 MERGE_BS = 128
 
