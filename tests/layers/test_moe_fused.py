@@ -81,24 +81,6 @@ def test_fused_layer_matches_pytorch_layer(fused, latent, static):
         assert fused.calls == [n] and rel_err(got, ref) < 1e-6
 
 
-@pytest.mark.parametrize("latent", [False, True])
-def test_next_norm_formed_by_the_layer(fused, latent):
-    """``next_norm``: ``(out, next_norm(out))`` with out the layer's usual output -- the norm formed in the fused
-    combine (SiLU experts, residual folded in) or after the latent MoE's up projection -- equal to the output and
-    to the norm applied on its own; one token and a batch."""
-    from kimi_linear.layers import RMSNorm
-
-    m = make_moe(latent)
-    norm = randomize(RMSNorm(32, 1e-5), 5).eval()
-    for n in (1, 7):
-        x = torch.randn(n, 32, generator=torch.Generator().manual_seed(n))
-        r = torch.randn(n, 32, generator=torch.Generator().manual_seed(n + 1))
-        with torch.inference_mode():
-            plain = m(x, residual=r)
-            out, normed = m(x, residual=r, next_norm=norm)
-            assert torch.equal(out, plain) and rel_err(normed, norm(plain)) < 1e-6
-
-
 def test_replaced_weight_is_noticed(fused):
     """A weight replaced after packing breaks the views: the eager step falls back to the per-expert paths (no
     second copy of the experts), the fixed-shape step to a stacked copy; both still compute the new weights."""

@@ -67,42 +67,6 @@ def test_generate_with_fused_kernels_equals_torch_path(k3, request):
     assert rel_err(got[1], ref[1]) < 1e-5
 
 
-def test_chained_norms_equal_each_layers_own_norm(kernels_on_cpu, monkeypatch):
-    """The fixed-shape decode step with each layer forming the next one's input norm (the fused MoE's combine
-    forms it, in its Triton kernel here; a dense layer norms after its MLP) gives the tokens and logits of the
-    step where every layer runs its own input norm; the combine did form the norms (the last one the final norm),
-    and ``run_layers_normed`` equals ``norm(run_layers(...))`` on the PyTorch path."""
-    import kimi_linear.model.paged as paged
-    from kimi_linear.ops.triton import moe as tri_moe
-
-    norms: list[bool] = []
-
-    def fused(*args, **kw):
-        norms.append(kw.get("norm") is not None)
-        return tri_moe.fused_moe(*args, **kw)
-
-    routed = moe_op.triton_op
-    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fused if name == "fused_moe" else routed(name, x))
-    m = randomize(KimiLinearForCausalLM(make_config("KKM", q_lora_rank=24)), seed=12).eval().optimize_layout()
-    monkeypatch.setattr(paged, "CHAIN_NORMS", False)
-    ref = run(m)
-    assert norms and not any(norms)
-    norms.clear()
-    monkeypatch.setattr(paged, "CHAIN_NORMS", True)
-    got = run(m)
-    # the prompt's forward (MoE layers 2 and 3 once) keeps its own norms; every decode step's MoE calls form them
-    assert norms[:2] == [False, False] and len(norms) > 2 and all(norms[2:])
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-
-    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: None)
-    x = torch.randn(2, 1, m.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        caches = [layer.empty_cache(2, torch.float32, torch.device("cpu")) for layer in m.model.layers]
-        chained = m.model.run_layers_normed(x, caches)
-        caches = [layer.empty_cache(2, torch.float32, torch.device("cpu")) for layer in m.model.layers]
-        assert torch.equal(chained, m.model.norm(m.model.run_layers(x, caches, None, None)))
-
-
 def test_training_keeps_the_torch_path(kernels_on_cpu):
     m = randomize(KimiLinearForCausalLM(make_config("KM", moe=False)), seed=13)
     ids = tokens(2, 9, seed=14)

@@ -242,32 +242,6 @@ def test_residual_folded_into_combine(dtype):
         fused_moe(x, w13, w2, tw, ids, residual=residual[:, :16])
 
 
-@pytest.mark.parametrize("dtype, wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                           (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("N, W, S", [(1, 40, 1), (6, 32, 0)])
-def test_norm_formed_in_combine(N, W, S, dtype, wdtype):
-    """``norm=(weight, eps)``: the combine also writes the next layer's RMSNorm of its rounded output, equal to
-    the Triton RMSNorm kernel on that output (the same float32 steps and roundings; one program a row, W not a
-    power of two included) and close to the PyTorch path's (which norms with torch); the output itself unchanged."""
-    from kimi_linear.ops.rms_norm import rms_norm
-    from kimi_linear.ops.triton.rms_norm import rms_norm as triton_rms_norm
-
-    x, w13, w2, tw, ids = make(N, 5 + S, 2, W, 24, dtype, "random", seed=40 + N)
-    ids = ids % 5                                                         # routed ids only
-    residual = torch.randn(N, W, generator=torch.Generator().manual_seed(41)).to(dtype)
-    weight = (1 + 0.3 * torch.randn(W, generator=torch.Generator().manual_seed(42))).to(wdtype)
-    plain = triton_moe(x, w13, w2, tw, ids, num_shared=S, residual=residual)
-    out, normed = triton_moe(x, w13, w2, tw, ids, num_shared=S, residual=residual, norm=(weight, 1e-5))
-    assert torch.equal(out, plain)
-    assert normed.dtype == torch.promote_types(wdtype, dtype)
-    assert torch.equal(normed, triton_rms_norm(out, weight, 1e-5))
-    out_t, normed_t = fused_moe_torch(x, w13, w2, tw, ids, num_shared=S, residual=residual, norm=(weight, 1e-5))
-    assert torch.equal(normed_t, rms_norm(out_t, weight, 1e-5))
-    assert rel_err(normed, normed_t) < 4 * BARS[dtype]
-    with pytest.raises(ValueError, match="norm's weight"):
-        fused_moe(x, w13, w2, tw, ids, norm=(weight[:-1], 1e-5))
-
-
 def test_sigmoid_topk_triton_matches_torch():
     """The router's Triton kernel against the PyTorch path: same experts in the same order, weights to float32
     rounding; with and without renormalisation, k = 1 and k = E, E not a power of two, a strong bias."""

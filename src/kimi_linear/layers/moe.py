@@ -155,19 +155,9 @@ class SparseMoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                next_norm: RMSNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [..., D] -> [..., D]; plus ``residual`` (x's shape) when given: the decoder layer's residual add,
-        which the fused op folds into its combine when nothing comes after the experts (one kernel less a layer).
-        With ``next_norm`` (the next layer's input norm, inference): ``(out, next_norm(out))``, the norm formed in
-        that combine where it runs (one more kernel less)."""
-        if next_norm is None:
-            return self._forward(x, residual)
-        out = self._forward(x, residual, (next_norm.weight, next_norm.eps))
-        return out if isinstance(out, tuple) else (out, next_norm(out))
-
-    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        which the fused op folds into its combine when nothing comes after the experts (one kernel less a layer)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat)
@@ -178,11 +168,10 @@ class SparseMoE(nn.Module):
             w13, w2, shared_done = fused
             last = self.latent_size is None and (shared_done or self.shared_experts is None)
             folded = residual.reshape(flat.shape) if last and residual is not None else None
+            out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), residual=folded,
+                            **self._activation())
             if folded is not None:
-                out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), residual=folded, norm=norm,
-                                **self._activation())
-                return out.view(shape) if norm is None else (out[0].view(shape), out[1].view(shape))
-            out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), **self._activation())
+                return out.view(shape)
         elif self.static_dispatch:
             out = self._dense(z, weights, idx)
         elif flat.shape[0] == 1:

@@ -106,33 +106,23 @@ class KimiLinearDecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         attn_res_blocks: list[torch.Tensor] | None = None,
         context_parallel: ContextParallel | None = None,
-        normed: torch.Tensor | None = None,
-        next_norm: RMSNorm | None = None,
-    ) -> torch.Tensor | tuple[list[torch.Tensor], torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[list[torch.Tensor], torch.Tensor]:
         """x: hidden [B, T, D] -> [B, T, D].
 
         With block AttnRes, x is the running partial sum and ``attn_res_blocks`` the embedding and completed block
         summaries; returns the updated ``(blocks, partial)``. (AttnRes goes through ``forward`` with plain tensors
-        in and out, so module hooks -- FSDP2's unsharding for forward and backward -- work as for any layer.)
-
-        ``normed``: this layer's input norm of x, already formed by the layer before; ``next_norm``: the next
-        layer's input norm (or the final norm), so that ``(x, next_norm(x))`` is returned, formed in the MoE's
-        combine where the fused op runs (:meth:`KimiLinearModel.run_layers_normed`)."""
+        in and out, so module hooks -- FSDP2's unsharding for forward and backward -- work as for any layer.)"""
         if attn_res_blocks is not None:
-            assert normed is None and next_norm is None, "block AttnRes does not chain the norms"
             state = self.forward_attn_res(AttnResState(x, attn_res_blocks), cache, padding_mask, attn_mask,
                                           cu_seqlens, context_parallel)
             assert state.partial is not None
             return state.blocks, state.partial
-        h = self._attn(self.input_layernorm(x) if normed is None else normed, cache, padding_mask, attn_mask,
-                       cu_seqlens, context_parallel)
+        h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
         # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
         normed, x = self.post_attention_layernorm(h, residual=x)
         if self.is_moe:
-            # the fused MoE adds x in its combine (and forms next_norm there)
-            return self.block_sparse_moe(normed, residual=x, next_norm=next_norm)
-        x = x + self.mlp(normed)
-        return x if next_norm is None else (x, next_norm(x))
+            return self.block_sparse_moe(normed, residual=x)       # the fused MoE adds x in its combine
+        return x + self.mlp(normed)
 
     def _attn(
         self, h: torch.Tensor, cache: KDAState | LatentCache | None, padding_mask: torch.Tensor | None,
@@ -203,18 +193,6 @@ class KimiLinearModel(nn.Module):
             blocks, x = layer(x, caches[i] if caches is not None else None, padding_mask, attn_mask, cu_seqlens,
                               attn_res_blocks=blocks, context_parallel=context_parallel)
         return depth_mix([*blocks, x], self.output_attn_res_proj, self.output_attn_res_norm)
-
-    def run_layers_normed(self, x: torch.Tensor, caches: list, padding_mask: torch.Tensor | None = None,
-                          attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``norm(run_layers(x, ...))`` (inference), each layer forming the next one's input norm (the last one the
-        final norm) where it can: in the fused MoE's combine, one norm kernel less a layer when decoding."""
-        if self.attn_res:
-            return self.norm(self.run_layers(x, caches, padding_mask, attn_mask))
-        normed = None
-        for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, normed = layer(x, caches[i], padding_mask, attn_mask, normed=normed, next_norm=nxt)
-        return normed
 
 
 def _mla_mask(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,9 +38,6 @@ from kimi_linear.ops.paged import paged_decode_rows
 
 if TYPE_CHECKING:
     from .modeling import KimiLinearForCausalLM
-
-# EXPERIMENT switch for the H200 A/B (KL_CHAIN=0: each layer its own input norm), removed with the measurement
-CHAIN_NORMS = os.environ.get("KL_CHAIN", "1") != "0"
 
 log = logging.getLogger("kimi_linear.decode")
 
@@ -121,10 +117,8 @@ def decode_step(model: KimiLinearForCausalLM, pools: DecodePools, ids: torch.Ten
     for moe in moes:
         moe.static_dispatch = True
     try:
-        x = m.embed_tokens(ids[:, None])
-        if CHAIN_NORMS:
-            return model.lm_head(m.run_layers_normed(x, caches))[:, -1].float()
-        return model.lm_head(m.norm(m.run_layers(x, caches, None, None)))[:, -1].float()
+        x = m.run_layers(m.embed_tokens(ids[:, None]), caches, None, None)
+        return model.lm_head(m.norm(x))[:, -1].float()
     finally:
         for moe in moes:
             moe.static_dispatch = False

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from .backend import for_inference, triton_op
-from .rms_norm import rms_norm
 
 ACTIVATIONS = ("silu", "situ")
 
@@ -86,8 +85,8 @@ def glu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-                    situ_linear_beta: float = 25.0, num_shared: int = 0, residual: torch.Tensor | None = None,
-                    norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    situ_linear_beta: float = 25.0, num_shared: int = 0,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fused_moe` in PyTorch: the (token, expert) pairs sorted by expert, then per expert with tokens its
     two matmuls in x's dtype (the layers' arithmetic); the weighted outputs are summed in float32 (float64 for
     float64 inputs), the shared experts' after the routed ones. Reads the per-expert counts on the host."""
@@ -114,18 +113,16 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         out += F.linear(glu_torch(gate, up, activation, situ_beta, situ_linear_beta), w2[e]).to(acc)
     if residual is not None:
         out += residual.to(acc)
-    out = out.to(x.dtype)
-    return out if norm is None else (out, rms_norm(out, norm[0], norm[1]))
+    return out.to(x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
-              situ_linear_beta: float = 25.0, num_shared: int = 0, residual: torch.Tensor | None = None,
-              norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              situ_linear_beta: float = 25.0, num_shared: int = 0,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' weighted sum (module docstring), plus ``residual`` [N, W] when given (added to the
     float32 sum before the one rounding to x's dtype: a decoder layer's residual add, without its own kernel).
-    With ``norm = (weight [W], eps)`` returns ``(out, rms_norm(out, weight, eps))``: the next layer's input norm
-    formed in the same pass (one kernel less a layer when decoding). Inference only (no autograd).
+    Inference only (no autograd).
 
     x: [N, W]; w13: [E + S, 2I, W], rows 0..I-1 the gate projection w1, rows I..2I-1 the up projection w3; w2:
     [E + S, W, I] (all one dtype: float32, bfloat16, float16, or float64 on the PyTorch path); the last
@@ -140,16 +137,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                  or residual.device != x.device):
         raise ValueError(f"fused_moe: residual must be x's shape {tuple(x.shape)}, dtype and device, got "
                          f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
-    if norm is not None and (norm[0].shape != (x.shape[1],) or not norm[0].is_floating_point()
-                             or norm[0].device != x.device):
-        raise ValueError(f"fused_moe: norm's weight must be a float vector of x's width {x.shape[1]} on "
-                         f"{x.device}, got {norm[0].dtype} {tuple(norm[0].shape)} on {norm[0].device}")
     fast = triton_op("fused_moe", x) if x.dtype != torch.float64 else None
     if fast is None:
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta,
-                               num_shared, residual, norm)
+                               num_shared, residual)
     return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared=num_shared,
-                residual=residual, norm=norm)
+                residual=residual)
 
 
 def fused_moe_available(x: torch.Tensor) -> bool:

@@ -39,7 +39,6 @@ import triton.language as tl
 
 from .chunk_common import INTERPRET, cast
 from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2
-from .rms_norm import weighted_norm
 from .tma import tensor_descriptor_class, tma_supported
 
 
@@ -269,15 +268,12 @@ def moe_down_kernel(
 def moe_combine_kernel(
     y, ids, residual,        # [N * K, W] float32, [N * k] routed expert ids, [N, W] (row stride s_rn) if RESIDUAL
     out,                     # out: [N, W] in x's dtype
-    norm_w, normed,          # if NORM: [W] the next norm's weight; out: [N, W] rms_norm(out) (norm_w's promotion)
-    W, E, s_rn, eps,
-    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    W, E, s_rn,
+    K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr, RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``out[n] = residual[n] + sum_j y[n K + j]`` over j in order (shared experts last), float32 until the one
-    rounding; a routed pair whose id is outside [0, E) (never computed) adds 0. With NORM (one program a row,
-    BW >= W) also the next layer's RMSNorm of the rounded row, as rms_norm_kernel forms it, so the next layer skips
-    its own norm kernel."""
+    rounding; a routed pair whose id is outside [0, E) (never computed) adds 0."""
     pdl_entry(PDL)
     i_t, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
@@ -292,13 +288,7 @@ def moe_combine_kernel(
         b_o += tl.load(y + (i_t * K_ALL + j) * W + o_w, mask=m_w & m_j, other=0.0)
     if RESIDUAL:
         b_o += tl.load(residual + i_t * s_rn + o_w, mask=m_w, other=0.0).to(tl.float32)
-    b_s = cast(b_o, out.dtype.element_ty)                                                           # [BW]
-    tl.store(out + i_t * W + o_w, b_s, mask=m_w)
-    if NORM:
-        b_x = tl.where(m_w, b_s.to(tl.float32), 0.0)[None, :]                                      # [1, BW]
-        b_w = tl.load(norm_w + o_w, mask=m_w, other=0.0).to(tl.float32)                             # [BW]
-        b_y = weighted_norm(b_x, b_w, eps, W, out.dtype.element_ty)                                 # [1, BW]
-        tl.store(normed + i_t * W + o_w[None, :], cast(b_y, normed.dtype.element_ty), mask=m_w[None, :])
+    tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
 
 
 _ONE_TOKEN_SLOTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -336,8 +326,7 @@ def weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, cfg: MoELaunch) -> t
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
               situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0,
-              residual: torch.Tensor | None = None,
-              norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``fused_moe``: same contract as :func:`kimi_linear.ops.fused_moe` (arguments checked there). No host
     synchronisation; every allocation and grid depends on (N, k, E, S) and the weight shapes only. ``launch``
     overrides :func:`moe_launch` (benchmarks)."""
@@ -346,10 +335,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     E, K = E_all - num_shared, k + num_shared
     M = N * K
     out = torch.empty(N, W, dtype=x.dtype, device=x.device)
-    normed = None if norm is None else torch.empty(N, W, dtype=torch.promote_types(norm[0].dtype, x.dtype),
-                                                   device=x.device)
     if N == 0:
-        return out if normed is None else (out, normed)
+        return out
     cfg = launch or moe_launch(N, K, E_all, W, I, x.dtype)
     BM = cfg.BM
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -384,18 +371,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, d_w=w2 if d_w2 is None else d_w2,
         TMA=d_w2 is not None, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl_args(x.device),
     )
-    # with the norm one program holds a whole row, with rms_norm_kernel's warps (the same float32 reduction)
-    BW = triton.next_power_of_2(W) if norm is not None else min(1024, triton.next_power_of_2(W))
+    BW = min(1024, triton.next_power_of_2(W))
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     moe_combine_kernel[(N, triton.cdiv(W, BW))](
-        y, ids, out if residual is None else residual, out,
-        out if norm is None else norm[0].contiguous(), out if normed is None else normed,
-        W, E, 0 if residual is None else residual.stride(0), 0.0 if norm is None else float(norm[1]),
-        K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, NORM=norm is not None,
-        num_warps=max(1, min(8, BW // 512)) if norm is not None else 4, **pdl_args(x.device),
+        y, ids, out if residual is None else residual, out, W, E, 0 if residual is None else residual.stride(0),
+        K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4, **pdl_args(x.device),
     )
-    return out if normed is None else (out, normed)
+    return out
 
 
 @triton.jit

@@ -24,16 +24,6 @@ from .pdl import pdl_args, pdl_entry
 
 
 @triton.jit
-def weighted_norm(b_x, b_w, eps, D, dtype: tl.constexpr):
-    """Rows b_x [BR, BD] float32 (0 past D) -> ``(n rounded to dtype) * weight`` [BR, BD] float32 (the module
-    docstring's y before its one rounding); b_w [BD] float32."""
-    b_r = tl.math.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)                                       # [BR]
-    # cast to the input dtype before the weight multiply (a no-op for float32 inputs)
-    b_n = cast(b_x * b_r[:, None], dtype).to(tl.float32)
-    return b_n * b_w[None, :]
-
-
-@triton.jit
 def rms_norm_kernel(
     x, delta, w,                      # [N, D (+ TAIL)] (row strides sx, sd; delta only with HAS_DELTA), [D]
     y, s,                             # out: the norm [.., D (+ TAIL)] (row stride sy), x + delta [N, D] (HAS_DELTA)
@@ -61,9 +51,11 @@ def rms_norm_kernel(
         b_s = cast(b_x + b_d, s.dtype.element_ty)           # the sum as the residual stream stores it
         tl.store(s + rows[:, None] * D + o_d[None, :], b_s, mask=m)
         b_x = b_s.to(tl.float32)
+    b_r = tl.math.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)                                       # [BR]
+    # cast to the input dtype before the weight multiply (a no-op for float32 inputs)
+    b_n = cast(b_x * b_r[:, None], x.dtype.element_ty).to(tl.float32)
     b_w = tl.load(w + o_d, mask=o_d < D, other=0.0).to(tl.float32)                            # [BD]
-    b_y = weighted_norm(b_x, b_w, eps, D, x.dtype.element_ty)                                 # [BR, BD]
-    tl.store(y + o_y[:, None] * sy + o_d[None, :], cast(b_y, y.dtype.element_ty), mask=m)
+    tl.store(y + o_y[:, None] * sy + o_d[None, :], cast(b_n * b_w[None, :], y.dtype.element_ty), mask=m)
 
 
 def row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
