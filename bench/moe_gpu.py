@@ -18,6 +18,7 @@
 
     PYTHONPATH=src python3 bench/moe_gpu.py [--json FILE]       # (a) + (b); exit 1 if a check fails
     PYTHONPATH=src python3 bench/moe_gpu.py --sweep [--E 256 --N 1,32,256]   # (c), ~30 shapes per (E, N)
+    PYTHONPATH=src python3 bench/moe_gpu.py --grid --E 32 --N 1   # (c) with each kernel's fields jointly, 36 shapes
     PYTHONPATH=src python3 bench/moe_gpu.py --no-tma             # (a) + (b) with pointer loads of the weights
     PYTHONPATH=src python3 bench/moe_gpu.py --smoke [--sweep]    # CPU, Triton interpreter, tiny shapes
 """
@@ -341,11 +342,61 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
     ROWS.extend(dict(sweep="moe", **r) for r in rows)
     return ok_all
 
+# --grid: each kernel's fields jointly (a coordinate search moves one field at a time and can miss pairs that only
+# pay together, e.g. fewer stages so that two programs share an SM, with the tile size that fills the grid then)
+GRID = dict(BN1=[32, 64, 128], BK1=[128, 256], stages1=[2, 3, 4]), dict(BN2=[32, 64, 128], BK2=[128, 256],
+                                                                          stages2=[2, 3, 4])
+
+
+def grid(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
+    """Per N: every gate/up shape of GRID with the table's down shape, then every down shape with the best gate/up
+    one; each row with its programs per kernel (pairs' blocks x column tiles) against the SMs. The best is checked
+    against the reference."""
+    from itertools import product
+
+    rows, ok_all = [], True
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if s.device == "cuda" else 1
+    for N in Ns:
+        x = s.randn((N, s.W))
+        weights, ids = s.routing(N, "random")
+        ref = s.reference(x, weights, ids)
+        best = moe_launch(N, s.k, s.E, s.W, s.I, torch.bfloat16)
+        best_t = time_sweep_point(s, x, weights, ids, reps, best)
+        blocks = s.k if N == 1 else None          # the one-token layout: one block a pair (no shared expert here)
+        for space in GRID:
+            space = {k: v[:2] for k, v in space.items()} if smoke else space
+            start = best
+            for values in product(*space.values()):
+                cfg = replace(start, **dict(zip(space, values)))
+                try:
+                    t = time_sweep_point(s, x, weights, ids, reps, cfg)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                    say(f"  skip {dict(zip(space, values))}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                up = "BN1" in space
+                BN, BK, stages = values
+                cols = -(-(s.I if up else s.W) // BN)
+                rows.append({"E": s.E, "N": N, "kernel": "gate/up" if up else "down", "BN": BN, "BK": BK,
+                             "stages": stages, "op us": t,
+                             "programs": "" if blocks is None else f"{blocks * cols} on {sms} SMs"})
+                say(json.dumps(rows[-1]))
+                if t < best_t:
+                    best, best_t = cfg, t
+        with torch.inference_mode():
+            err = rel(tri_fused_moe(x, s.w13, s.w2, weights, ids, launch=best), ref)
+        ok_all &= err < BAR
+        say(f"best at E={s.E} N={N}: {best_t:.1f} us, {asdict(best)}, err {err:.2e} {'ok' if err < BAR else 'FAIL'}")
+    table(f"grid: E={s.E}", rows)
+    ROWS.extend(dict(grid="moe", **r) for r in rows)
+    return ok_all
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter, tiny shapes")
     p.add_argument("--sweep", action="store_true", help="only the launch-shape sweep (c)")
+    p.add_argument("--grid", action="store_true",
+                   help="only a joint grid over each kernel's tile / step / stages (GRID), at --E and --N")
     p.add_argument("--json", default=None, help="also write every row to this file")
     p.add_argument("--no-tma", action="store_true",
                    help="every launch with pointer loads of the weights instead of the TMA descriptors "
@@ -379,10 +430,10 @@ def main() -> int:
 
     say(f"triton {triton.__version__}")
     ok = True
-    if a.sweep:
+    if a.sweep or a.grid:
         for E in ints(a.E) if a.E else sweep_Es:
             s = Setup(E, W, I, k, device)
-            ok &= sweep(s, ints(a.N) if a.N else sweep_Ns, max(reps // 2, 1), a.smoke)
+            ok &= (grid if a.grid else sweep)(s, ints(a.N) if a.N else sweep_Ns, max(reps // 2, 1), a.smoke)
             del s
     else:
         bw = copy_bandwidth(device)

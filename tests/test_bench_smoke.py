@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("mla_decode_gpu.py", ["--smoke", "--no-check", "--block-size", "64"]),
     ("moe_gpu.py", ["--smoke"]),
     ("moe_gpu.py", ["--smoke", "--no-tma"]),
+    ("moe_gpu.py", ["--smoke", "--grid", "--N", "1"]),
     ("profile_decode.py", ["--smoke", "--batches", "1,2"]),
     ("profile_decode.py", ["--smoke", "--engine"]),
     ("profile_prefill.py", ["--smoke"]),
