@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -303,6 +304,22 @@ def time_sweep_point(s: Setup, x: torch.Tensor, weights: torch.Tensor, ids: torc
     return time_graph(partial(tri_fused_moe, x, s.w13, s.w2, weights, ids, launch=cfg), s.device, reps)
 
 
+def time_or_skip(timed: Callable[[MoELaunch], float], cfg: MoELaunch) -> float | None:
+    """``timed(cfg)``, or None (said) for a shape that fails to compile or run, e.g. out of shared memory."""
+    try:
+        return timed(cfg)
+    except Exception as e:  # noqa: BLE001 - not a candidate
+        say(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
+def best_error(s: Setup, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ref: torch.Tensor,
+               best: MoELaunch) -> float:
+    """The search's best shape against the reference (relative error)."""
+    with torch.inference_mode():
+        return rel(tri_fused_moe(x, s.w13, s.w2, weights, ids, launch=best), ref)
+
+
 def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
     """One pass of coordinate search per N: each field of MoELaunch in turn over its candidates, keeping the best;
     a shape that fails to compile or run is skipped. The best is checked against the reference."""
@@ -323,15 +340,12 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
                 cfg = replace(best, **{field: v})
                 if cfg == best:
                     continue
-                try:
-                    t = timed(cfg)
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
-                    say(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                t = time_or_skip(timed, cfg)
+                if t is None:
                     continue
                 if t < best_t:
                     best, best_t = cfg, t
-        with torch.inference_mode():
-            err = rel(tri_fused_moe(x, s.w13, s.w2, weights, ids, launch=best), ref)
+        err = best_error(s, x, weights, ids, ref, best)
         ok_all &= err < BAR
         r = {"E": s.E, "N": N, "table us": t0, "best us": best_t, "speedup": t0 / best_t, "err": err,
              "ok": "ok" if err < BAR else "FAIL", "best": str(asdict(best)),
@@ -368,10 +382,8 @@ def grid(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
             start = best
             for values in product(*space.values()):
                 cfg = replace(start, **dict(zip(space, values)))
-                try:
-                    t = time_sweep_point(s, x, weights, ids, reps, cfg)
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
-                    say(f"  skip {dict(zip(space, values))}: {type(e).__name__}: {str(e)[:100]}")
+                t = time_or_skip(partial(time_sweep_point, s, x, weights, ids, reps), cfg)
+                if t is None:
                     continue
                 up = "BN1" in space
                 BN, BK, stages = values
@@ -382,8 +394,7 @@ def grid(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
                 say(json.dumps(rows[-1]))
                 if t < best_t:
                     best, best_t = cfg, t
-        with torch.inference_mode():
-            err = rel(tri_fused_moe(x, s.w13, s.w2, weights, ids, launch=best), ref)
+        err = best_error(s, x, weights, ids, ref, best)
         ok_all &= err < BAR
         say(f"best at E={s.E} N={N}: {best_t:.1f} us, {asdict(best)}, err {err:.2e} {'ok' if err < BAR else 'FAIL'}")
     table(f"grid: E={s.E}", rows)
