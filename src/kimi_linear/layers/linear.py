@@ -10,16 +10,9 @@ parallelises over the batch): every core streams its share of the weight, 1.3-1.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from kimi_linear.ops.gemv import GEMV_MAX_ROWS, gemv
-
-# EXPERIMENT switch for the H200 A/B (KL_GEMV=0: cuBLAS for every GPU projection), removed with the measurement
-GPU_GEMV = os.environ.get("KL_GEMV", "1") != "0"
 
 
 def _row_blocks(weight: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -52,10 +45,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = torch.bmm(x.contiguous().as_strided((n, 1, in_f), (0, in_f, 1)), blocks)     # [n, 1, out/n]
             y = y.view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
-    if GPU_GEMV and x.is_cuda and x.numel() <= GEMV_MAX_ROWS * in_f and x.numel():
-        # a decode step's few rows: one Triton launch that streams W (ops.gemv; it falls back to F.linear)
-        y = gemv(x.reshape(-1, in_f), weight).view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 

@@ -39,9 +39,8 @@ class PackedLinears:
                     offset += w.shape[0]
             else:
                 packed = torch.cat([w.detach() for w in ws], 0)
-                if packed.shape[0] > packed.shape[1] and packed.device.type == "cpu":
+                if packed.shape[0] > packed.shape[1]:
                     packed = packed.t().contiguous().t()  # longer dimension contiguous: faster CPU gemv
-                # (on a GPU rows stay contiguous: the decode GEMV kernel streams each program's slab of rows)
             offset = 0
             for lin in linears:
                 n = lin.weight.shape[0]
