@@ -40,6 +40,7 @@ from .chunk_common import (
     gate_terms,
     grid_coords,
     level_factor,
+    level_pairs,
     load_beta,
     load_norms,
     load_rows,
@@ -75,30 +76,40 @@ def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC
 
 
 @triton.jit
-def diagonal_level(
-    b_aq, b_ak, b_d, q, k, gP, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, S: tl.constexpr,
-):
-    """Level S of :func:`diagonal_levels` over every strong channel step (not :func:`safe_step`), accumulated into
-    (b_aq, b_ak), which are then kept on the same S-row blocks only; b_d: Aqk's diagonal (summed at level 2)."""
-    o_t = tl.arange(0, BT)
-    m_up = ((o_t % S) >= S // 2)[:, None]                                 # [BT, 1] rows of upper halves
-    for c0 in range(0, K, BKS):
-        o_k = c0 + tl.arange(0, BKS)
-        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC):
-            b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                         # [BT, BKS]
-            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
-            if S == 2:
-                b_d += tl.sum(b_q * b_k, 1)
-            b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, S, BT)    # [BT, BKS], all <= 1
-            b_kf = b_k * b_f
-            b_ct = tl.trans(tf32_operand(tl.where(m_up, 0.0, b_kf), PREC))     # [BKS, BT] lower-half columns
-            b_aq = mm_rounded(tf32_operand(tl.where(m_up, b_q * b_f, 0.0), PREC), b_ct, b_aq, PREC)
-            b_ak = mm_rounded(tf32_operand(tl.where(m_up, b_kf, 0.0), PREC), b_ct, b_ak, PREC)
-    m_l = (o_t // S)[:, None] == (o_t // S)[None, :]                      # [BT, BT] the same S-row block
-    return tl.where(m_l, b_aq, 0.0), tl.where(m_l, b_ak, 0.0), b_d
+def level_products(b_aq, b_ak, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                   HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+                   PREC: tl.constexpr, S: tl.constexpr):
+    """One channel step of level S of :func:`diagonal_levels`, added to its [NB, BC, BC] tiles (b_aq, b_ak): rows
+    ``q_i f_i`` (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves, one batched product per
+    16-row sub-block (f: chunk_common.level_factor, all <= 1)."""
+    NB: tl.constexpr = BT // BC
+    m_up = ((tl.arange(0, BT) % S) >= S // 2)[:, None]                    # [BT, 1] rows of upper halves
+    b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, S, BT)    # [BT, BKS], all <= 1
+    b_kf = b_k * b_f
+    b_ct = tl.trans(tl.reshape(tf32_operand(tl.where(m_up, 0.0, b_kf), PREC), [NB, BC, BKS]), 0, 2, 1)
+    b_aq = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_q * b_f, 0.0), PREC), [NB, BC, BKS]), b_ct,
+                      b_aq, PREC)                                         # [NB, BC, BC]
+    b_ak = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_kf, 0.0), PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
+    return b_aq, b_ak
+
+
+@triton.jit
+def level_sum(b_x2, b_x4, b_x8, b_x16, BC: tl.constexpr):
+    """The four levels' [NB, BC, BC] tiles, each kept on its own pairs (chunk_common.level_pairs), summed."""
+    o_i = tl.arange(0, BC)
+    return (tl.where(level_pairs(o_i, o_i, 2)[None, :, :], b_x2, 0.0)
+            + tl.where(level_pairs(o_i, o_i, 4)[None, :, :], b_x4, 0.0)
+            + tl.where(level_pairs(o_i, o_i, 8)[None, :, :], b_x8, 0.0)
+            + tl.where(level_pairs(o_i, o_i, 16)[None, :, :], b_x16, 0.0))
+
+
+@triton.jit
+def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
+    """[NB, BC, BC] blocks -> the [BT, BT] tile holding them on its diagonal, zero elsewhere."""
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)
+    m_e = (o_b[:, None] == o_b[None, :])[:, None, :, None]                # [NB, 1, NB, 1]
+    return tl.reshape(tl.where(m_e, b_x[:, :, None, :], 0.0), [BT, BT])
 
 
 @triton.jit
@@ -112,30 +123,43 @@ def diagonal_levels(
     above the diagonal (and on it for Akk).
 
     Every pair j < i of a block is covered by exactly one level S = 16, 8, 4, 2 (the same S-row block, i in its
-    upper half, j in its lower half) and factored through the last row r of that lower half,
-    ``exp(gP_i - gP_j) = exp(gP_i - gP_r) exp(gP_r - gP_j)`` with j <= r < i, so both factors are <= 1
+    upper half, j in its lower half: chunk_common.level_pairs) and factored through the last row r of that lower
+    half, ``exp(gP_i - gP_j) = exp(gP_i - gP_r) exp(gP_r - gP_j)`` with j <= r < i, so both factors are <= 1
     (chunk_common.level_factor): nothing overflows at any gate, and a factor underflows only where the exact one
-    does. Each level is one [BT, BKS] x [BKS, BT] tensor-core product per matrix and channel step, rows
-    ``q_i f_i`` (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves (f: the level's
-    factors). That product also pairs rows and columns of different S-row blocks; those entries are finite (every
-    factor <= 1), and the mask that keeps the same S-row blocks after the level's last channel step drops them.
-    The levels run from the finest (S = 2) up, accumulating into the same two tiles: a pair of a finer level lies
-    inside one half of every coarser block, where the coarser products are exactly zero, and inside every coarser
-    mask. Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32. The tiles start :func:`chunk_scores`'s
-    accumulation, so no further [BT, BT] tile is live beside its two (each level reads the strong steps' q, k and
-    gP tiles again: L1 / L2 hits)."""
+    does. Each level is one batched tensor-core product per matrix and channel step over the chunk's four 16-row
+    sub-blocks ([NB, BC, BKS] x [NB, BKS, BC]: a quarter of a [BT, BT] product's work), rows ``q_i f_i``
+    (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves; each level accumulates into tiles
+    of its own, kept on its own pairs at the end (the product also pairs rows and columns of different S-row
+    blocks: finite, every factor <= 1, and dropped there). All four levels share one pass over the channels (the
+    tiles are loaded once a step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
+    NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
-    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
-    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    b_q2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_q4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_q8 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k8 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_q16 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k16 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_d = tl.zeros([BT], dtype=tl.float32)
-    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, bos, t0, T_n, i_h, i_hv,
-                                     H, HV, K, BT, BC, BKS, PREC, 2)
-    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, bos, t0, T_n, i_h, i_hv,
-                                     H, HV, K, BT, BC, BKS, PREC, 4)
-    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, bos, t0, T_n, i_h, i_hv,
-                                     H, HV, K, BT, BC, BKS, PREC, 8)
-    b_aq, b_ak, b_d = diagonal_level(b_aq, b_ak, b_d, q, k, gP, bos, t0, T_n, i_h, i_hv,
-                                     H, HV, K, BT, BC, BKS, PREC, 16)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC):
+            b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                         # [BT, BKS]
+            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
+            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
+            b_d += tl.sum(b_q * b_k, 1)
+            b_q2, b_k2 = level_products(b_q2, b_k2, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                        HV, K, BT, BC, BKS, PREC, 2)
+            b_q4, b_k4 = level_products(b_q4, b_k4, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                        HV, K, BT, BC, BKS, PREC, 4)
+            b_q8, b_k8 = level_products(b_q8, b_k8, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                        HV, K, BT, BC, BKS, PREC, 8)
+            b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                          HV, K, BT, BC, BKS, PREC, 16)
+    b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
+    b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
     return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
