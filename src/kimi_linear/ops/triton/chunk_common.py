@@ -435,33 +435,61 @@ def gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr):
     return b_G, b_Gs, b_t0 + b_t1 + b_t2 + b_t3
 
 
+# Rows of the diagonal blocks that the inverse's substitution works on (diagonal_block_inverses), then
+# doubled to BC. H200, 16 x 2048, WY kernel in every gate regime (2026-12-03, two rounds each): 1.292 ms with 4,
+# 1.297 with 2, 1.434 with 8, 1.560 with one substitution over the 16-row blocks.
+INV_BLOCK: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def pair_inverses(b_T, b_beta, Akk, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr):
+    """The inverses of the chunk's diagonal [2 HB, 2 HB] blocks ([BT // (2 HB), 2 HB, 2 HB]) from those of its
+    [HB, HB] blocks (``b_T``, [BT // HB, HB, HB]): with L, U the inverses of a block's two halves (upper left,
+    lower right), ``[[L, 0], [-U (beta A_21) L, U]]``, two batched float32 products on the CUDA cores. ``b_beta``:
+    the chunk's beta, [BT]."""
+    NP: tl.constexpr = BT // (2 * HB)
+    b_L, b_U = tl.split(tl.permute(tl.reshape(b_T, [NP, 2, HB, HB]), (0, 2, 3, 1)))              # [NP, HB, HB] x2
+    _, b_bU = tl.split(tl.permute(tl.reshape(b_beta, [NP, 2, HB]), (0, 2, 1)))                   # [NP, HB]
+    o_p = tl.arange(0, NP)
+    o_i = tl.arange(0, HB)
+    r = t0 + o_p[:, None] * (2 * HB) + HB + o_i[None, :]                                          # [NP, HB]
+    b_A = tl.load(Akk + ((bos + r) * HV + i_hv)[:, :, None] * BT + (o_p * (2 * HB))[:, None, None]
+                  + o_i[None, None, :], mask=(r < T_n)[:, :, None], other=0.0) * b_bU[:, :, None]   # beta A_21
+    b_X = tl.sum(b_A[:, :, :, None] * b_L[:, None, :, :], 2)                                     # beta A_21 L
+    b_C = -tl.sum(b_U[:, :, :, None] * b_X[:, None, :, :], 2)                                    # -U beta A_21 L
+    # rows of the upper half [L, 0], of the lower [C, U]
+    b_top = tl.reshape(tl.permute(tl.join(b_L, tl.zeros_like(b_L)), (0, 1, 3, 2)), [NP, HB, 2 * HB])
+    b_bot = tl.reshape(tl.permute(tl.join(b_C, b_U), (0, 1, 3, 2)), [NP, HB, 2 * HB])
+    return tl.reshape(tl.permute(tl.join(b_top, b_bot), (0, 3, 1, 2)), [NP, 2 * HB, 2 * HB])
+
+
 @triton.jit
 def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
     """``(I + diag(beta) A_bb)^-1`` of the chunk's BT // BC diagonal [BC, BC] blocks of Akk (strictly lower) at
-    once: [BT // BC, BC, BC] float32. Two levels:
+    once: [BT // BC, BC, BC] float32. Two steps:
 
-    1. the BT // HB diagonal [HB, HB] half blocks (HB = BC / 2) in one forward substitution, row i of every
-       inverse ``e_i - sum_{m < i} beta_i A[i, m] (row m)``, with row i of the blocks loaded from memory (no
-       reduction to pick it out of a tile): HB - 1 serial steps on [BT // HB, HB, HB] tiles;
-    2. each [BC, BC] block from its two half blocks' inverses L and U (upper left, lower right):
-       ``[[L, 0], [-U (beta A_21) L, U]]``, two batched [HB, HB] float32 products on the CUDA cores.
+    1. the diagonal [HB, HB] blocks (HB = INV_BLOCK) in one forward substitution, row i of every inverse
+       ``e_i - sum_{m < i} beta_i A[i, m] (row m)``, with row i of the blocks loaded from memory (no reduction to
+       pick it out of a tile): HB - 1 serial steps on [BT // HB, HB, HB] tiles;
+    2. blocks twice as large from pairs of those (:func:`pair_inverses`), twice, to [BC, BC].
 
-    (One substitution over the [BC, BC] blocks takes BC - 1 serial steps on tiles twice as large; the substitution
-    is the serial part of the WY kernel.) Not the nilpotent product ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` (six
+    (A substitution over the [BC, BC] blocks themselves takes BC - 1 serial steps on four times larger tiles; the
+    substitution is the WY kernel's serial part.) Not the nilpotent product ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` (six
     tensor-core products, no serial steps): its powers grow like binomial coefficients before they cancel, so with
     near-identical keys it loses digits (float32 products: 2.5e-5 relative error at beta ~ U(0, 1), 6e-2 at
     beta = 2 with identical keys; tf32: up to 1e0), where substitution stays at 1e-7 - 3e-6."""
-    NB: tl.constexpr = BT // BC
-    HB: tl.constexpr = BC // 2
+    HB: tl.constexpr = INV_BLOCK
+    tl.static_assert(BC == 4 * HB)
     NH: tl.constexpr = BT // HB
     o_h = tl.arange(0, NH)                                                 # [NH]
     o_i = tl.arange(0, HB)                                                 # [HB]
     b_eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)               # [HB, HB]
     b_T = tl.zeros([NH, HB, HB], dtype=tl.float32) + b_eye[None, :, :]     # [NH, HB, HB]
-    b_beta = tl.reshape(load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL), [NH, HB])
+    b_bt = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)                # [BT]
+    b_beta = tl.reshape(b_bt, [NH, HB])
     for i in tl.static_range(1, HB):                                       # unrolled: every row's load issued early
-        r = t0 + o_h * HB + i                                              # [NH] row i of each half block
+        r = t0 + o_h * HB + i                                              # [NH] row i of each block
         m_a = (r < T_n)[:, None] & (o_i < i)[None, :]
         b_a = tl.load(Akk + ((bos + r) * HV + i_hv)[:, None] * BT + (o_h * HB)[:, None] + o_i[None, :],
                       mask=m_a, other=0.0)                                 # [NH, HB] A[i, m], m < i
@@ -472,19 +500,8 @@ def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
         b_row = -tl.sum(b_a[:, :, None] * b_T, 1)                          # [NH, HB]
         b_e = tl.where(o_i == i, 1.0, 0.0)                                # [HB] e_i
         b_T = tl.where((o_i == i)[None, :, None], b_row[:, None, :] + b_e[None, None, :], b_T)
-    # the two half blocks of each block: half block h = 2 b + c
-    b_L, b_U = tl.split(tl.permute(tl.reshape(b_T, [NB, 2, HB, HB]), (0, 2, 3, 1)))              # [NB, HB, HB] x2
-    _, b_bU = tl.split(tl.permute(tl.reshape(b_beta, [NB, 2, HB]), (0, 2, 1)))                   # [NB, HB]
-    o_b = tl.arange(0, NB)
-    r = t0 + o_b[:, None] * BC + HB + o_i[None, :]                                                # [NB, HB]
-    b_A = tl.load(Akk + ((bos + r) * HV + i_hv)[:, :, None] * BT + (o_b * BC)[:, None, None] + o_i[None, None, :],
-                  mask=(r < T_n)[:, :, None], other=0.0) * b_bU[:, :, None]                      # [NB, HB, HB]
-    b_X = tl.sum(b_A[:, :, :, None] * b_L[:, None, :, :], 2)                                     # beta A_21 L
-    b_C = -tl.sum(b_U[:, :, :, None] * b_X[:, None, :, :], 2)                                    # -U beta A_21 L
-    # [NB, BC, BC] from the four [NB, HB, HB] quarters: rows of the upper half [L, 0], of the lower [C, U]
-    b_top = tl.reshape(tl.permute(tl.join(b_L, tl.zeros_like(b_L)), (0, 1, 3, 2)), [NB, HB, BC])
-    b_bot = tl.reshape(tl.permute(tl.join(b_C, b_U), (0, 1, 3, 2)), [NB, HB, BC])
-    return tl.reshape(tl.permute(tl.join(b_top, b_bot), (0, 3, 1, 2)), [NB, BC, BC])
+    b_T = pair_inverses(b_T, b_bt, Akk, bos, t0, T_n, i_hv, HV, BT, HB)                 # [BT // 2HB, 2HB, 2HB]
+    return pair_inverses(b_T, b_bt, Akk, bos, t0, T_n, i_hv, HV, BT, 2 * HB)             # [BT // BC, BC, BC]
 
 
 @triton.jit

@@ -11,13 +11,13 @@ sub-block take three products by halves (:func:`halves_scores`), and the rest th
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
 diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
 is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
-a reference row r between j and i, both factors <= 1, in four products per matrix by levels of 16, 8, 4 and 2
-rows (:func:`diagonal_levels`). With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and
-stores) the row factors.
+a reference row r between j and i, both factors <= 1, in four batched products per matrix (one per level of 16,
+8, 4 and 2 rows, over the four sub-blocks at once: :func:`diagonal_levels`). With l2norm the paths run on raw q
+and k and :func:`finish_scores` applies (and stores) the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
-blocks (forward substitution on the diagonal blocks, block products below), stores the inverse ``Tm``
-(read again at once as one [64, 64] tile, and by the backward), and writes
+blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), stores the inverse
+``Tm`` (read again at once as one [64, 64] tile, and by the backward), and writes
 
     w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
 
