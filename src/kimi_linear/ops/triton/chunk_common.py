@@ -448,7 +448,7 @@ def pair_inverses(b_T, b_beta, Akk, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl
     lower right), ``[[L, 0], [-U (beta A_21) L, U]]``, two batched float32 products on the CUDA cores. ``b_beta``:
     the chunk's beta, [BT]."""
     NP: tl.constexpr = BT // (2 * HB)
-    b_L, b_U = pairs_of(b_T)                                                                      # [NP, HB, HB] x2
+    b_L, b_U = tl.split(tl.permute(tl.reshape(b_T, [NP, 2, HB, HB]), (0, 2, 3, 1)))              # [NP, HB, HB] x2
     _, b_bU = tl.split(tl.permute(tl.reshape(b_beta, [NP, 2, HB]), (0, 2, 1)))                   # [NP, HB]
     o_p = tl.arange(0, NP)
     o_i = tl.arange(0, HB)
@@ -457,26 +457,10 @@ def pair_inverses(b_T, b_beta, Akk, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl
                   + o_i[None, None, :], mask=(r < T_n)[:, :, None], other=0.0) * b_bU[:, :, None]   # beta A_21
     b_X = tl.sum(b_A[:, :, :, None] * b_L[:, None, :, :], 2)                                     # beta A_21 L
     b_C = -tl.sum(b_U[:, :, :, None] * b_X[:, None, :, :], 2)                                    # -U beta A_21 L
-    return lower_blocks(b_L, b_C, b_U)
-
-
-@triton.jit
-def lower_blocks(b_L, b_C, b_U):
-    """``[[L, 0], [C, U]]`` from three [N, M, M] stacks: [N, 2M, 2M]."""
-    N: tl.constexpr = b_L.shape[0]
-    M: tl.constexpr = b_L.shape[1]
-    b_top = tl.reshape(tl.permute(tl.join(b_L, tl.zeros_like(b_L)), (0, 1, 3, 2)), [N, M, 2 * M])
-    b_bot = tl.reshape(tl.permute(tl.join(b_C, b_U), (0, 1, 3, 2)), [N, M, 2 * M])
-    return tl.reshape(tl.permute(tl.join(b_top, b_bot), (0, 3, 1, 2)), [N, 2 * M, 2 * M])
-
-
-@triton.jit
-def pairs_of(b_x):
-    """A stack [2N, ...] as its even and odd members, [N, ...] each."""
-    N: tl.constexpr = b_x.shape[0] // 2
-    R: tl.constexpr = b_x.shape[1]
-    C: tl.constexpr = b_x.shape[2]
-    return tl.split(tl.permute(tl.reshape(b_x, [N, 2, R, C]), (0, 2, 3, 1)))
+    # rows of the upper half [L, 0], of the lower [C, U]
+    b_top = tl.reshape(tl.permute(tl.join(b_L, tl.zeros_like(b_L)), (0, 1, 3, 2)), [NP, HB, 2 * HB])
+    b_bot = tl.reshape(tl.permute(tl.join(b_C, b_U), (0, 1, 3, 2)), [NP, HB, 2 * HB])
+    return tl.reshape(tl.permute(tl.join(b_top, b_bot), (0, 3, 1, 2)), [NP, 2 * HB, 2 * HB])
 
 
 @triton.jit

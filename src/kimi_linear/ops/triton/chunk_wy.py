@@ -44,10 +44,8 @@ from .chunk_common import (
     load_beta,
     load_norms,
     load_rows,
-    lower_blocks,
     mm,
     mm_rounded,
-    pairs_of,
     row_inv_norms,
     separable_exponent,
     separable_offset,
@@ -106,14 +104,23 @@ def level_sum(b_x2, b_x4, b_x8, b_x16, BC: tl.constexpr):
 
 
 @triton.jit
+def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
+    """[NB, BC, BC] blocks -> the [BT, BT] tile holding them on its diagonal, zero elsewhere."""
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)
+    m_e = (o_b[:, None] == o_b[None, :])[:, None, :, None]                # [NB, 1, NB, 1]
+    return tl.reshape(tl.where(m_e, b_x[:, :, None, :], 0.0), [BT, BT])
+
+
+@triton.jit
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
-    decay, e.g. padding gates of -1000), for any gate: [BT // BC, BC, BC] float32 stacks, zero above the diagonal
-    (and on it for Akk).
+    decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
+    above the diagonal (and on it for Akk).
 
     Every pair j < i of a block is covered by exactly one level S = 16, 8, 4, 2 (the same S-row block, i in its
     upper half, j in its lower half: chunk_common.level_pairs) and factored through the last row r of that lower
@@ -126,6 +133,7 @@ def diagonal_levels(
     blocks: finite, every factor <= 1, and dropped there). All four levels share one pass over the channels (the
     tiles are loaded once a step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
     NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
     b_q2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_k2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_q4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
@@ -150,9 +158,9 @@ def diagonal_levels(
                                         HV, K, BT, BC, BKS, PREC, 8)
             b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
                                           HV, K, BT, BC, BKS, PREC, 16)
-    o_i = tl.arange(0, BC)
-    b_dq = tl.where((o_i[:, None] == o_i[None, :])[None, :, :], tl.reshape(b_d, [NB, BC])[:, :, None], 0.0)
-    return level_sum(b_q2, b_q4, b_q8, b_q16, BC) + b_dq, level_sum(b_k2, b_k4, b_k8, b_k16, BC)
+    b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
+    b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
+    return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
 @triton.jit
@@ -179,19 +187,14 @@ def chunk_scores(
     [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below
     the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
     tl.static_assert(BT == 4 * BC)
-    NB: tl.constexpr = BT // BC
-    HT: tl.constexpr = BT // 2
     o_t = tl.arange(0, BT)
-    o_i = tl.arange(0, BC)
-    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
-    b_Hq = tl.zeros([HT, HT], dtype=tl.float32)                           # half: rows 32-63, columns 0-31
-    b_Hk = tl.zeros([HT, HT], dtype=tl.float32)
-    b_Qq = tl.zeros([NB // 2, BC, BC], dtype=tl.float32)                  # quarter: blocks (1, 0) and (3, 2)
-    b_Qk = tl.zeros([NB // 2, BC, BC], dtype=tl.float32)
-    b_Dq = tl.zeros([NB, BC, BC], dtype=tl.float32)                       # the diagonal blocks
-    b_Dk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    s = o_t // BC                                                          # [BT] sub-block of each row
+    s_r = s[:, None]                                                       # [BT, 1]
+    m_diag = (s[None, :] == s_r) & (o_t[:, None] >= o_t[None, :])          # [BT, BT] diagonal blocks, j <= i
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        b_Dq, b_Dk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -201,45 +204,32 @@ def chunk_scores(
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_rho = fast_exp(b_P)                      # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
-        b_kap = b_k * fast_exp(b_own - b_P)        # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
-        # half: rows of sub-blocks 2-3 through row 31 against columns of 0-1
-        b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], 1.0) * b_rho
-        b_hc = tl.where(s_r == 0, fast_exp(b_t1)[None, :], 1.0) * b_kap
-        _, b_qh = tl.split(tl.permute(tl.reshape(tf32_operand(b_q * b_hr, PREC), [2, HT, BKS]), (1, 2, 0)))
-        _, b_kh = tl.split(tl.permute(tl.reshape(tf32_operand(b_k * b_hr, PREC), [2, HT, BKS]), (1, 2, 0)))
-        b_ch, _ = tl.split(tl.permute(tl.reshape(tf32_operand(b_hc, PREC), [2, HT, BKS]), (1, 2, 0)))
-        b_Hq = mm_rounded(b_qh, tl.trans(b_ch), b_Hq, PREC)                                   # [HT, HT]
-        b_Hk = mm_rounded(b_kh, tl.trans(b_ch), b_Hk, PREC)
-        # quarter: rows of sub-blocks 1 and 3 against columns of 0 and 2, through the row between them
-        b_qr = tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, BKS])
-        b_kr = tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, BKS])
-        b_cq, _ = pairs_of(tl.reshape(tf32_operand(b_kap, PREC), [NB, BC, BKS]))            # [NB // 2, BC, BKS]
-        b_cq = tl.trans(b_cq, 0, 2, 1)
-        _, b_q13 = pairs_of(b_qr)
-        _, b_k13 = pairs_of(b_kr)
-        b_Qq = mm_rounded(b_q13, b_cq, b_Qq, PREC)                                            # [NB // 2, BC, BC]
-        b_Qk = mm_rounded(b_k13, b_cq, b_Qk, PREC)
+        b_kap = tf32_operand(b_k * fast_exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
+        # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
+        b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
+        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, fast_exp(b_t1)[None, :],
+                                                      tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
+        b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
+        # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
+        # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
+        # columns negated takes it out again, so nothing here is masked.
+        b_qr = tf32_operand(b_q * b_rho, PREC)
+        b_kr = tf32_operand(b_k * b_rho, PREC)
+        b_ct = tl.trans(tl.where((s_r % 2) == 0, b_kap, 0.0))                  # [BKS, BT]
+        b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                      # [BKS, BT]
+        b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
+        b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
         b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
         if tl.min(b_tmin) > -SAFE_EXP:
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
-            b_cd = tl.trans(tl.reshape(tf32_operand(b_k * fast_exp(-b_P), PREC), [NB, BC, BKS]), 0, 2, 1)
-            b_Dq = mm_rounded(b_qr, b_cd, b_Dq, PREC)                                         # [NB, BC, BC]
-            b_Dk = mm_rounded(b_kr, b_cd, b_Dk, PREC)
-    m_le = (o_i[:, None] >= o_i[None, :])[None, :, :]                      # pairs j <= i of a diagonal block
-    b_aq = scores_tile(tl.where(m_le, b_Dq, 0.0), b_Qq, b_Hq)
-    b_ak = scores_tile(tl.where(m_le, b_Dk, 0.0), b_Qk, b_Hk)
+            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
+            b_zero = tl.zeros([BT, BT], dtype=tl.float32)
+            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
     return b_aq, b_ak
-
-
-@triton.jit
-def scores_tile(b_D, b_Q, b_H):
-    """The chunk's [BT, BT] tile from its diagonal blocks ([4, BC, BC]), the blocks (1, 0) and (3, 2) ([2, BC,
-    BC]) and the lower left half ([BT / 2, BT / 2]); zero above the diagonal and in blocks (1, 2)."""
-    b_De, b_Do = pairs_of(b_D)                                             # blocks 0, 2 and 1, 3
-    b_X = lower_blocks(b_De, b_Q, b_Do)                                    # [2, BT / 2, BT / 2]: the two halves
-    b_X0, b_X1 = pairs_of(b_X)                                             # [1, BT / 2, BT / 2] each
-    b_full = lower_blocks(b_X0, tl.reshape(b_H, [1, b_H.shape[0], b_H.shape[1]]), b_X1)
-    return tl.reshape(b_full, [b_full.shape[1], b_full.shape[2]])
 
 
 @triton.jit
@@ -295,11 +285,9 @@ def halves_scores(
     As in :func:`separable_scores`, only dropped entries (j > i) can overflow."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
-    HT: tl.constexpr = BT // 2
-    b_Wq = tl.zeros([2, HT, HT], dtype=tl.float32)                        # inside each half
-    b_Wk = tl.zeros([2, HT, HT], dtype=tl.float32)
-    b_Xq = tl.zeros([HT, HT], dtype=tl.float32)                           # across: rows 32-63, columns 0-31
-    b_Xk = tl.zeros([HT, HT], dtype=tl.float32)
+    m_h1 = s_r >= 2                                                        # [BT, 1] rows of half 1
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)           # [BT, BKS]
@@ -312,24 +300,19 @@ def halves_scores(
         b_eX = fast_exp(b_X)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_kc = tl.trans(tl.reshape(tf32_operand(b_k * fast_exp(-b_D), PREC), [2, HT, BKS]), 0, 2, 1)
-        b_Wq = mm_rounded(tl.reshape(tf32_operand(b_q * b_eD, PREC), [2, HT, BKS]), b_kc, b_Wq, PREC)
-        b_Wk = mm_rounded(tl.reshape(tf32_operand(b_k * b_eD, PREC), [2, HT, BKS]), b_kc, b_Wk, PREC)
-        b_cx, _ = tl.split(tl.permute(tl.reshape(tf32_operand(b_k * b_eX, PREC), [2, HT, BKS]), (1, 2, 0)))
-        _, b_qx = tl.split(tl.permute(tl.reshape(tf32_operand(b_q * b_eX, PREC), [2, HT, BKS]), (1, 2, 0)))
-        _, b_kx = tl.split(tl.permute(tl.reshape(tf32_operand(b_k * b_eX, PREC), [2, HT, BKS]), (1, 2, 0)))
-        b_Xq = mm_rounded(b_qx, tl.trans(b_cx), b_Xq, PREC)                                  # [HT, HT]
-        b_Xk = mm_rounded(b_kx, tl.trans(b_cx), b_Xk, PREC)
-    return halves_tile(b_Wq, b_Xq), halves_tile(b_Wk, b_Xk)
-
-
-@triton.jit
-def halves_tile(b_W, b_X):
-    """The chunk's [BT, BT] tile from the products inside its two halves ([2, BT / 2, BT / 2]) and across them
-    (rows of half 1, columns of half 0); zero above the two halves' blocks."""
-    b_W0, b_W1 = pairs_of(b_W)                                             # [1, BT / 2, BT / 2] each
-    b_full = lower_blocks(b_W0, tl.reshape(b_X, [1, b_X.shape[0], b_X.shape[1]]), b_W1)
-    return tl.reshape(b_full, [b_full.shape[1], b_full.shape[2]])
+        b_kc = tf32_operand(b_k * fast_exp(-b_D), PREC)                    # [BT, BKS] same-half columns
+        b_ct0 = tl.trans(tl.where(m_h1, 0.0, b_kc))                        # [BKS, BT]
+        b_ct1 = tl.trans(tl.where(m_h1, b_kc, 0.0))
+        b_ctx = tl.trans(tf32_operand(tl.where(m_h1, 0.0, b_k * b_eX), PREC))   # cross columns (half 0)
+        b_qr = tf32_operand(b_q * b_eD, PREC)                              # [BT, BKS]
+        b_kr = tf32_operand(b_k * b_eD, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_ct0, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_ct1, b_aq, PREC)
+        b_aq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_ctx, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
+        b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
+    return b_aq, b_ak
 
 
 @triton.jit
