@@ -475,9 +475,9 @@ def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
     2. blocks twice as large from pairs of those (:func:`pair_inverses`), twice, to [BC, BC].
 
     (A substitution over the [BC, BC] blocks themselves takes BC - 1 serial steps on four times larger tiles; the
-    substitution is the WY kernel's serial part.) Not the nilpotent product ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` (six
-    tensor-core products, no serial steps): its powers grow like binomial coefficients before they cancel, so with
-    near-identical keys it loses digits (float32 products: 2.5e-5 relative error at beta ~ U(0, 1), 6e-2 at
+    substitution is the WY kernel's serial part.) Not the nilpotent product ``(I - L)(I + L^2)(I + L^4)(I + L^8)``
+    (six tensor-core products, no serial steps): its powers grow like binomial coefficients before they cancel, so
+    with near-identical keys it loses digits (float32 products: 2.5e-5 relative error at beta ~ U(0, 1), 6e-2 at
     beta = 2 with identical keys; tf32: up to 1e0), where substitution stays at 1e-7 - 3e-6."""
     HB: tl.constexpr = INV_BLOCK
     tl.static_assert(BC == 4 * HB)
