@@ -455,12 +455,8 @@ def pair_inverses(b_T, b_beta, Akk, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl
     r = t0 + o_p[:, None] * (2 * HB) + HB + o_i[None, :]                                          # [NP, HB]
     b_A = tl.load(Akk + ((bos + r) * HV + i_hv)[:, :, None] * BT + (o_p * (2 * HB))[:, None, None]
                   + o_i[None, None, :], mask=(r < T_n)[:, :, None], other=0.0) * b_bU[:, :, None]   # beta A_21
-    if HB >= 16:
-        # tiles large enough for Triton's products (float32 on the CUDA cores, as exact as the sums below)
-        b_C = -mm(b_U, mm(b_A, b_L, "ieee"), "ieee")                                               # -U beta A_21 L
-    else:
-        b_X = tl.sum(b_A[:, :, :, None] * b_L[:, None, :, :], 2)                                 # beta A_21 L
-        b_C = -tl.sum(b_U[:, :, :, None] * b_X[:, None, :, :], 2)                                # -U beta A_21 L
+    b_X = tl.sum(b_A[:, :, :, None] * b_L[:, None, :, :], 2)                                     # beta A_21 L
+    b_C = -tl.sum(b_U[:, :, :, None] * b_X[:, None, :, :], 2)                                    # -U beta A_21 L
     # rows of the upper half [L, 0], of the lower [C, U]
     b_top = tl.reshape(tl.permute(tl.join(b_L, tl.zeros_like(b_L)), (0, 1, 3, 2)), [NP, HB, 2 * HB])
     b_bot = tl.reshape(tl.permute(tl.join(b_C, b_U), (0, 1, 3, 2)), [NP, HB, 2 * HB])
@@ -477,8 +473,6 @@ def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
        ``e_i - sum_{m < i} beta_i A[i, m] (row m)``, with row i of the blocks loaded from memory (no reduction to
        pick it out of a tile): HB - 1 serial steps on [BT // HB, HB, HB] tiles;
     2. blocks twice as large from pairs of those (:func:`pair_inverses`), twice, to [BC, BC].
-
-    :func:`chunk_inverse` doubles twice more, to the chunk's whole inverse.
 
     (A substitution over the [BC, BC] blocks themselves takes BC - 1 serial steps on four times larger tiles; the
     substitution is the WY kernel's serial part.) Not the nilpotent product ``(I - L)(I + L^2)(I + L^4)(I + L^8)``
@@ -511,16 +505,10 @@ def diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
 
 
 @triton.jit
-def chunk_inverse(Akk, beta, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                  USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """``(I + diag(beta) Akk)^-1`` of the chunk at t0, [BT, BT] float32 (zero above the diagonal): the diagonal
-    blocks (:func:`diagonal_block_inverses`) doubled by :func:`pair_inverses` to the whole chunk (BT = 4 BC)."""
-    tl.static_assert(BT == 4 * BC)
-    b_bt = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)                # [BT]
-    b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_T = pair_inverses(b_T, b_bt, Akk, bos, t0, T_n, i_hv, HV, BT, BC)                  # [2, 2BC, 2BC]
-    b_T = pair_inverses(b_T, b_bt, Akk, bos, t0, T_n, i_hv, HV, BT, 2 * BC)              # [1, BT, BT]
-    return tl.reshape(b_T, [BT, BT])
+def block_of(b_T, b: tl.constexpr):
+    """Block b of a [NB, BC, BC] stack: [BC, BC]."""
+    o_b = tl.arange(0, b_T.shape[0])
+    return tl.sum(tl.where((o_b == b)[:, None, None], b_T, 0.0), 0)
 
 
 def next_pow2(n: int) -> int:
