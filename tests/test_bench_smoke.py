@@ -56,3 +56,25 @@ def test_long_context_smoke(tmp_path):
     assert doc["check"]["engine_vs_forward"]["identical"] and doc["check"]["kda_state"]["ok"]
     assert (tmp_path / "long_context.png").stat().st_size > 10_000
     assert "all-MLA / hybrid" in (tmp_path / "long_context.md").read_text()
+
+
+@pytest.mark.slow
+def test_kda_ab_smoke(tmp_path):
+    """bench/kda_ab.py: ``prepare`` exports src/ of a revision (no model assets), ``run --smoke --check`` profiles
+    every tree for every gate regime and runs its checks; a tree whose kernels are broken is reported FAIL."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    ab = [sys.executable, str(ROOT / "bench" / "kda_ab.py")]
+    subprocess.run([*ab, "prepare", "HEAD", "--into", str(tmp_path)], check=True, cwd=ROOT, env=env)
+    assert not (tmp_path / "HEAD" / "src" / "kimi_linear" / "assets").exists()
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(tmp_path / "HEAD"), str(broken)], check=True)
+    common = broken / "src" / "kimi_linear" / "ops" / "triton" / "chunk_common.py"
+    text = common.read_text()
+    assert "b_C = -tl.sum(" in text
+    common.write_text(text.replace("b_C = -tl.sum(", "b_C = -0.5 * tl.sum("))   # the inverse's doubled blocks
+    done = subprocess.run([*ab, "run", str(tmp_path), "--rounds", "1", "--smoke", "--check"], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("### ") == 6                       # five regimes and the checks
+    assert "| HEAD |" in done.stdout and "| broken |" in done.stdout
+    assert "- HEAD: PASS" in done.stdout and "- broken: FAIL" in done.stdout

@@ -1,0 +1,115 @@
+"""A/B of the chunk forward's kernels across source trees: every tree's per-kernel times (CUDA profiler) for every
+gate regime of ``bench/kda_kernels.py``, rounds interleaved (tree A, B, ..., then A, B, ... again) so that drift
+of the card shows as a spread rather than as a difference, one table per regime with the median over rounds.
+
+A variant that lives in the git history (an experiment committed and reverted) is measured without checking it
+out: ``prepare`` exports ``src/`` of each revision into a folder here (no model assets), which a device call then
+carries beside the working tree::
+
+    python bench/kda_ab.py prepare HEAD 82a80b2 --into .gl/ab          # here, needs git
+    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check]            # on the GPU (carry .gl)
+
+``--check`` also runs each tree's full-size GPU checks (``kda_kernels.py --check``: forward, backward, 1M tokens,
+varlen float32 extreme gates) and says which passed. ``--smoke`` runs on the CPU under the interpreter, tiny
+shapes, to check the script (no kernel times there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LINE = re.compile(r"regime profile (\S+) (.+?), ours fwd: ([\d.]+) ms of kernels: (.*)$")
+KERNEL = re.compile(r"(chunk_kda_\w+?)_kernel ([\d.]+) ms x\d+")
+
+
+def prepare(revs: list[str], into: str) -> int:
+    """``src/`` of each revision (model assets left out) into ``into/<rev>``."""
+    os.makedirs(into, exist_ok=True)
+    for rev in revs:
+        dest = os.path.join(into, rev)
+        os.makedirs(dest, exist_ok=True)
+        archive = subprocess.run(["git", "archive", rev, "src", ":(exclude)src/kimi_linear/assets"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+        print(f"{rev}: {dest}/src")
+    return 0
+
+
+def profile(tree: str, smoke: bool) -> dict[str, dict[str, float]]:
+    """regime -> {"forward": total ms, kernel: ms} for one run of ``tree``'s kernels."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tree, "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), "--regimes", "--profile", "--no-fla",
+           "--no-backward", "--no-decode", "--only", "profile gate"] + (["--smoke"] if smoke else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True).stdout
+    times = {}
+    for line in out.splitlines():
+        m = LINE.search(line)
+        if m:
+            times[f"{m.group(1)} {m.group(2)}"] = {"forward": float(m.group(3)),
+                                                   **{k: float(t) for k, t in KERNEL.findall(m.group(4))}}
+    return times
+
+
+def check(tree: str, smoke: bool) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tree, "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), "--check", "--no-decode", "--no-fla", "--only",
+           "check"] + (["--smoke"] if smoke else [])
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    fails = [ln for ln in res.stdout.splitlines() if "FAIL" in ln]
+    return "PASS" if res.returncode == 0 and not fails else f"FAIL ({len(fails)} lines, rc {res.returncode})"
+
+
+def run(into: str, rounds: int, with_check: bool, smoke: bool) -> int:
+    trees = sorted(d for d in os.listdir(into) if os.path.isdir(os.path.join(into, d, "src")))
+    if not trees:
+        print(f"no trees under {into}: run `prepare` first", file=sys.stderr)
+        return 2
+    runs = {t: [] for t in trees}
+    for r in range(rounds):
+        for t in trees:
+            runs[t].append(profile(os.path.join(into, t), smoke))
+            print(f"round {r + 1} {t}: {len(runs[t][-1])} regimes", flush=True)
+    regimes = [g for g in runs[trees[0]][0]] if runs[trees[0]][0] else []
+    for g in regimes:
+        names = sorted({k for t in trees for one in runs[t] for k in one.get(g, {})}, key=lambda k: k != "forward")
+        print(f"\n### {g} (ms, median of {rounds}; spread in parentheses)\n")
+        print("| tree | " + " | ".join(names) + " |")
+        print("|---|" + "---:|" * len(names))
+        for t in trees:
+            cells = []
+            for k in names:
+                vals = [one[g][k] for one in runs[t] if k in one.get(g, {})]
+                cells.append(f"{statistics.median(vals):.3f} ({max(vals) - min(vals):.3f})" if vals else "-")
+            print(f"| {t} | " + " | ".join(cells) + " |")
+    if with_check:
+        print("\n### full-size checks\n")
+        for t in trees:
+            print(f"- {t}: {check(os.path.join(into, t), smoke)}", flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="export src/ of git revisions (here)")
+    p.add_argument("revs", nargs="+")
+    p.add_argument("--into", default=".gl/ab")
+    r = sub.add_parser("run", help="profile every prepared tree (GPU)")
+    r.add_argument("into", nargs="?", default=".gl/ab")
+    r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--check", action="store_true", help="also each tree's full-size GPU checks")
+    r.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
+    a = ap.parse_args()
+    if a.cmd == "prepare":
+        return prepare(a.revs, a.into)
+    return run(a.into, a.rounds, a.check, a.smoke)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
