@@ -61,8 +61,10 @@ def check(tree: str, smoke: bool) -> str:
     cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), "--check", "--no-decode", "--no-fla", "--only",
            "check"] + (["--smoke"] if smoke else [])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    fails = [ln for ln in res.stdout.splitlines() if "FAIL" in ln]
-    return "PASS" if res.returncode == 0 and not fails else f"FAIL ({len(fails)} lines, rc {res.returncode})"
+    fails = [ln.strip() for ln in res.stdout.splitlines() if "FAIL" in ln]
+    if res.returncode == 0 and not fails:
+        return "PASS"
+    return f"FAIL (rc {res.returncode}): " + "; ".join(fails[:4] or [res.stderr.strip()[-300:]])
 
 
 def run(into: str, rounds: int, with_check: bool, smoke: bool) -> int:

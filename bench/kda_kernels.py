@@ -918,6 +918,8 @@ def main() -> int:
         print("needs a CUDA GPU (or --smoke)")
         return 2
     bench = a.bench or not (a.check or a.profile or a.sweep or a.regimes)
+    # the checks' initial states and cotangents come from the global generator: a fixed seed makes a run repeatable
+    torch.manual_seed(int(os.environ.get("KDA_KERNELS_SEED", "0")))
     import triton
     dev = torch.cuda.get_device_name() if S.dev == "cuda" else "CPU (interpreter)"
     say(f"{time.strftime('%Y-%m-%d')} {dev} torch {torch.__version__} triton {triton.__version__} "
