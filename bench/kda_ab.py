@@ -41,12 +41,17 @@ def prepare(revs: list[str], into: str) -> int:
     return 0
 
 
+def kda_kernels(tree: str, args: list[str], smoke: bool) -> subprocess.CompletedProcess:
+    """``bench/kda_kernels.py args`` (this checkout's script) on ``tree``'s package, in a process of its own."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tree, "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), *args] + (["--smoke"] if smoke else [])
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
 def profile(tree: str, smoke: bool) -> dict[str, dict[str, float]]:
     """regime -> {"forward": total ms, kernel: ms} for one run of ``tree``'s kernels."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tree, "src"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), "--regimes", "--profile", "--no-fla",
-           "--no-backward", "--no-decode", "--only", "profile gate"] + (["--smoke"] if smoke else [])
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True).stdout
+    out = kda_kernels(tree, ["--regimes", "--profile", "--no-fla", "--no-backward", "--no-decode", "--only",
+                             "profile gate"], smoke).stdout
     times = {}
     for line in out.splitlines():
         m = LINE.search(line)
@@ -57,10 +62,8 @@ def profile(tree: str, smoke: bool) -> dict[str, dict[str, float]]:
 
 
 def check(tree: str, smoke: bool) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tree, "src"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), "--check", "--no-decode", "--no-fla", "--only",
-           "check"] + (["--smoke"] if smoke else [])
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    """PASS, or FAIL with the first failing check lines, of ``tree``'s full-size checks."""
+    res = kda_kernels(tree, ["--check", "--no-decode", "--no-fla", "--only", "check"], smoke)
     fails = [ln.strip() for ln in res.stdout.splitlines() if "FAIL" in ln]
     if res.returncode == 0 and not fails:
         return "PASS"
@@ -77,8 +80,7 @@ def run(into: str, rounds: int, with_check: bool, smoke: bool) -> int:
         for t in trees:
             runs[t].append(profile(os.path.join(into, t), smoke))
             print(f"round {r + 1} {t}: {len(runs[t][-1])} regimes", flush=True)
-    regimes = [g for g in runs[trees[0]][0]] if runs[trees[0]][0] else []
-    for g in regimes:
+    for g in runs[trees[0]][0]:                        # the regimes, in the script's order
         names = sorted({k for t in trees for one in runs[t] for k in one.get(g, {})}, key=lambda k: k != "forward")
         print(f"\n### {g} (ms, median of {rounds}; spread in parentheses)\n")
         print("| tree | " + " | ".join(names) + " |")
