@@ -308,7 +308,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
-            chunk_kda_fwd_scores_kernel[p.grid(1 if separable else 2, HV)](
+            chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps,
                 num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,

@@ -58,15 +58,12 @@ from .chunk_common import (
 
 
 @triton.jit
-def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr,
-                 WHICH: tl.constexpr = 0):
+def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr):
     """Store a chunk's score tiles ([BT, BT] each): Aqk on and below the diagonal, Akk strictly below, zeros above
     (where the separable products may hold overflowed values)."""
     o_t = tl.arange(0, BT)
-    if WHICH != 2:
-        store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
-    if WHICH != 1:
-        store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+    store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
 
 
 @triton.jit
@@ -81,7 +78,7 @@ def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC
 @triton.jit
 def level_products(b_aq, b_ak, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
                    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-                   PREC: tl.constexpr, S: tl.constexpr, WHICH: tl.constexpr):
+                   PREC: tl.constexpr, S: tl.constexpr):
     """One channel step of level S of :func:`diagonal_levels`, added to its [NB, BC, BC] tiles (b_aq, b_ak): rows
     ``q_i f_i`` (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves, one batched product per
     16-row sub-block (f: chunk_common.level_factor, all <= 1)."""
@@ -90,12 +87,9 @@ def level_products(b_aq, b_ak, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
     b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, S, BT)    # [BT, BKS], all <= 1
     b_kf = b_k * b_f
     b_ct = tl.trans(tl.reshape(tf32_operand(tl.where(m_up, 0.0, b_kf), PREC), [NB, BC, BKS]), 0, 2, 1)
-    if WHICH != 2:
-        b_aq = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_q * b_f, 0.0), PREC), [NB, BC, BKS]), b_ct,
-                          b_aq, PREC)                                     # [NB, BC, BC]
-    if WHICH != 1:
-        b_ak = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_kf, 0.0), PREC), [NB, BC, BKS]), b_ct, b_ak,
-                          PREC)
+    b_aq = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_q * b_f, 0.0), PREC), [NB, BC, BKS]), b_ct,
+                      b_aq, PREC)                                         # [NB, BC, BC]
+    b_ak = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_kf, 0.0), PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
     return b_aq, b_ak
 
 
@@ -122,7 +116,7 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, WHICH: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
     decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
@@ -154,19 +148,16 @@ def diagonal_levels(
         if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC):
             b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                         # [BT, BKS]
             b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
-            if WHICH != 2:
-                b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
-                b_d += tl.sum(b_q * b_k, 1)
-            else:
-                b_q = b_k
+            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
+            b_d += tl.sum(b_q * b_k, 1)
             b_q2, b_k2 = level_products(b_q2, b_k2, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                        HV, K, BT, BC, BKS, PREC, 2, WHICH)
+                                        HV, K, BT, BC, BKS, PREC, 2)
             b_q4, b_k4 = level_products(b_q4, b_k4, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                        HV, K, BT, BC, BKS, PREC, 4, WHICH)
+                                        HV, K, BT, BC, BKS, PREC, 4)
             b_q8, b_k8 = level_products(b_q8, b_k8, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                        HV, K, BT, BC, BKS, PREC, 8, WHICH)
+                                        HV, K, BT, BC, BKS, PREC, 8)
             b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                          HV, K, BT, BC, BKS, PREC, 16, WHICH)
+                                          HV, K, BT, BC, BKS, PREC, 16)
     b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
     b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
     return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
@@ -177,7 +168,7 @@ def chunk_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr, WHICH: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
 
@@ -203,7 +194,7 @@ def chunk_scores(
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC, WHICH)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -211,20 +202,15 @@ def chunk_scores(
         b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
                          tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        if WHICH != 2:
-            b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        else:
-            b_q = b_k
+        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_rho = fast_exp(b_P)                      # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
         b_kap = tf32_operand(b_k * fast_exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
         # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
         b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
         b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, fast_exp(b_t1)[None, :],
                                                       tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
-        if WHICH != 2:
-            b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
-        if WHICH != 1:
-            b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
+        b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
         # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
         # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
         # columns negated takes it out again, so nothing here is masked.
@@ -232,21 +218,17 @@ def chunk_scores(
         b_kr = tf32_operand(b_k * b_rho, PREC)
         b_ct = tl.trans(tl.where((s_r % 2) == 0, b_kap, 0.0))                  # [BKS, BT]
         b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                      # [BKS, BT]
-        if WHICH != 2:
-            b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
-            b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
-        if WHICH != 1:
-            b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
-            b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
+        b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
+        b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
         b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
         if tl.min(b_tmin) > -SAFE_EXP:
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
             b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-            if WHICH != 2:
-                b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
-            if WHICH != 1:
-                b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
+            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
     return b_aq, b_ak
 
 
@@ -289,7 +271,7 @@ def halves_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr, WHICH: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """:func:`chunk_scores` for a chunk whose every sub-block's gate sum is above -HALF_LIMIT
     (chunk_common.sub_blocks_bounded) but that is not separable as a whole: three products per channel step, each
@@ -317,24 +299,19 @@ def halves_scores(
         b_eD = fast_exp(b_D)
         b_eX = fast_exp(b_X)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        if WHICH != 2:
-            b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        else:
-            b_q = b_k
+        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_kc = tf32_operand(b_k * fast_exp(-b_D), PREC)                    # [BT, BKS] same-half columns
         b_ct0 = tl.trans(tl.where(m_h1, 0.0, b_kc))                        # [BKS, BT]
         b_ct1 = tl.trans(tl.where(m_h1, b_kc, 0.0))
         b_ctx = tl.trans(tf32_operand(tl.where(m_h1, 0.0, b_k * b_eX), PREC))   # cross columns (half 0)
         b_qr = tf32_operand(b_q * b_eD, PREC)                              # [BT, BKS]
         b_kr = tf32_operand(b_k * b_eD, PREC)
-        if WHICH != 2:
-            b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_ct0, b_aq, PREC)
-            b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_ct1, b_aq, PREC)
-            b_aq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_ctx, b_aq, PREC)
-        if WHICH != 1:
-            b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
-            b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
-            b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_ct0, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_ct1, b_aq, PREC)
+        b_aq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_ctx, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
+        b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
     return b_aq, b_ak
 
 
@@ -355,7 +332,7 @@ def chunk_kda_fwd_scores_kernel(
     chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
     255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
     rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
-    i_c, i_m, i_hv = grid_coords(1 if SEPARABLE else 2, HV)
+    i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
     sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
@@ -365,39 +342,22 @@ def chunk_kda_fwd_scores_kernel(
                                           PREC, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
     elif not sep:
-        # one matrix a program (i_m): half the accumulators live, and q is read by Aqk's programs only
-        if i_m == 0:
-            other_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BK, BKS, PREC,
-                         HALVES, USE_QK_L2NORM, d_q, d_k, d_gP, TMA, 1)
+        bounded = False
+        if HALVES:
+            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        if bounded:
+            b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                       d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
-            other_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BK, BKS, PREC,
-                         HALVES, USE_QK_L2NORM, d_q, d_k, d_gP, TMA, 2)
-
-
-@triton.jit
-def other_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-                 PREC: tl.constexpr, HALVES: tl.constexpr, USE_QK_L2NORM: tl.constexpr, d_q, d_k, d_gP,
-                 TMA: tl.constexpr, WHICH: tl.constexpr):
-    """Aqk (``WHICH`` 1) or Akk (2) of a chunk that is not separable: by halves where
-    chunk_common.sub_blocks_bounded accepts it (``HALVES``), else by the sub-block scheme; stored."""
-    bounded = False
-    if HALVES:
-        bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-    if bounded:
-        b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                   d_q, d_k, d_gP, TMA, WHICH)
-    else:
-        b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                  BK, d_q, d_k, d_gP, TMA, WHICH)
-    finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM,
-                  WHICH)
+            b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                      BK, d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
 @triton.jit
 def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                  K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-                  WHICH: tl.constexpr = 0):
+                  K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
     """Store a chunk's scores. With l2norm (``USE_QK_L2NORM``) the paths ran on raw q and k, and the l2norm enters
     here as ``Aqk = diag(rq) A diag(rk)``, ``Akk = diag(rk) A diag(rk)``; the program of
     the first value head of each q/k head also stores rq and rk for the later kernels (the prepare kernel then
@@ -408,9 +368,8 @@ def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H
         b_rk = row_inv_norms(k, bos, t0, T_n, i_h, H, K, BT, BKS)
         b_aq = b_aq * b_rq[:, None] * b_rk[None, :]
         b_ak = b_ak * b_rk[:, None] * b_rk[None, :]
-        if WHICH != 2:
-            store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, BT)
-    store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT, WHICH)
+        store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, BT)
+    store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
 
 
 @triton.jit
