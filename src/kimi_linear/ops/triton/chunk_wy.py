@@ -194,7 +194,7 @@ def chunk_scores(
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
