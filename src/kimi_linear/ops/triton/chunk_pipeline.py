@@ -311,7 +311,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps,
-                num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs), **shared,
+                num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs if separable else 168), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
