@@ -103,7 +103,12 @@ class LaunchConfig:
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
-    scores_regs: int = 0
+    scores_regs: int = 0              # the separable chunks' launch (160 registers uncapped, no spills)
+    # The other chunks' launch (halves and sub-block schemes, 255 registers uncapped): capped at 168 it runs two
+    # programs an SM for 248 B of spills. H200, 2026-12-03, scores kernel ms at 16x2048, bench gates / layer init /
+    # strong decay / lower_bound saturated / active: 0.636 / 0.665 / 2.794 / 0.875 / 0.580 against 0.657 / 0.698 /
+    # 2.761 / 1.034 / 0.600 uncapped (both with the diagonal levels at 16 channels a step)
+    scores_rest_regs: int = 168
     wy_regs: int = 168
     bwd_regs: int = 0
 
@@ -310,8 +315,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                num_warps=cfg.scores_warps,
-                num_stages=cfg.scores_stages, **reg_cap(cfg.scores_regs if separable else 168), **shared,
+                num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
+                **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
