@@ -273,7 +273,8 @@ def test_wide_keys_forward_and_final_state():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["softplus A_log~log U(1,16)", "mixed channels", "varlen mixed", "-1000 padding"])
+@pytest.mark.parametrize("case", ["softplus A_log~log U(1,16)", "mixed channels", "mixed by 16 channels",
+                                  "varlen mixed", "-1000 padding"])
 def test_strong_decay(case, dtype, monkeypatch):
     """The strong-decay regime of issue 20 against the float64 reference: every 16-row sub-block's gate sum far
     below -SAFE_EXP, so ``exp(-gP_j)`` overflows float32 and the diagonal blocks must take the reference-row levels
@@ -288,8 +289,9 @@ def test_strong_decay(case, dtype, monkeypatch):
     if case.startswith("softplus"):
         x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=60)
         opts, _ = strong_gate(2, 32, seed=61)
-    elif case == "mixed channels":
-        x = mixed_gates(make_inputs(B=1, T=130, H=1, K=64, V=16, dtype=dtype, seed=62), seed=63)
+    elif case.startswith("mixed"):
+        x = mixed_gates(make_inputs(B=1, T=130, H=1, K=64, V=16, dtype=dtype, seed=62), seed=63,
+                        group=16 if "16" in case else None)
     elif case == "varlen mixed":
         cu = torch.tensor([0, 70, 70, 200])
         x = mixed_gates(make_inputs(B=1, T=200, H=1, K=64, V=16, N=3, dtype=dtype, seed=64), seed=65)

@@ -60,17 +60,18 @@ def strong_gate(HV, K, seed=0):
     return KernelOptions(True, True, True, False, params["A_log"], params["dt_bias"], None), params
 
 
-def mixed_gates(x, seed=0):
-    """Log decays (not raw) mixing mild and strong channels inside each chunk: channels below K / 2 fall by about 0.3
-    a step, channels from K / 2 on by about 7 (every 16-row sub-block by about 112); every 9th step is -1000 on
-    the strong channels (padding-like). With K = 64 and 32 channels a step, the scores and their gradients see a
-    channel step on the fast diagonal product beside one on the reference-row levels in the same chunk."""
+def mixed_gates(x, seed=0, group=None):
+    """Log decays (not raw) mixing mild and strong channels inside each chunk: in groups of ``group`` channels
+    (default K / 2), mild ones falling by about 0.3 a step, then strong ones by about 7 (every 16-row sub-block by
+    about 112), alternating; every 9th step is -1000 on the strong channels (padding-like). With K = 64 and 32
+    channels a step, the scores and their gradients see a channel step on the fast diagonal product beside one on
+    the reference-row levels in the same chunk; groups of 16 put both kinds inside one 32-channel step."""
     g = x["g"].double()
     K = g.shape[-1]
+    strong = (torch.arange(K) // (group or K // 2)) % 2 == 1                       # [K]
     noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    g[..., : K // 2] = -0.3 + 0.05 * noise[..., : K // 2]
-    g[..., K // 2:] = (-7.0 + noise[..., K // 2:]).clamp_max(0.0)
-    g[:, ::9, ..., K // 2:] = -1000.0
+    g = torch.where(strong, (-7.0 + noise).clamp_max(0.0), -0.3 + 0.05 * noise)
+    g[:, ::9] = torch.where(strong, -1000.0, g[:, ::9])
     x["g"] = g.to(x["g"].dtype)
     return x
 

@@ -116,7 +116,7 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STEP: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
     decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
@@ -145,7 +145,8 @@ def diagonal_levels(
     b_d = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC):
+        # strong or not as :func:`chunk_scores` decides it: by its channel step (STEP channels) holding o_k
+        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC):
             b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                         # [BT, BKS]
             b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
             b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
@@ -196,7 +197,7 @@ def chunk_scores(
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
         # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
         # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged)
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
