@@ -92,8 +92,8 @@ def spy_calls(monkeypatch, module, name):
 
 def force_levels(monkeypatch):
     """Send every diagonal block of the sub-block scheme (forward and score gradients) through the reference-row
-    levels, mild gates included: the one-product path is taken only above -2 SAFE_EXP (forward, through each
-    block's midpoint) and below SAFE_EXP (gradients), and neither holds for -1."""
+    levels, mild gates included: the fast ``exp(gP_i) exp(-gP_j)`` path is taken only above -SAFE_EXP (forward)
+    and below SAFE_EXP (gradients), and neither holds for -1."""
     import triton.language as tl
 
     from kimi_linear.ops.triton import chunk_bwd, chunk_wy

@@ -9,11 +9,10 @@ HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) nee
 (:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
 sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
-diagonal blocks use ``exp(gP_i - m) exp(m - gP_j)`` through each block's midpoint m (one product) on the channel
-steps where every sub-block's gate sum is above -2 SAFE_EXP, else (strong decay, e.g. padding gates of -1000)
-``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through a reference row r between j and i, both factors <= 1, in four
-batched products per matrix (one per level of 16, 8, 4 and 2 rows, over the four sub-blocks at once:
-:func:`diagonal_levels`). With l2norm the paths run on raw q
+diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
+is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
+a reference row r between j and i, both factors <= 1, in four batched products per matrix (one per level of 16,
+8, 4 and 2 rows, over the four sub-blocks at once: :func:`diagonal_levels`). With l2norm the paths run on raw q
 and k and :func:`finish_scores` applies (and stores) the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
@@ -69,20 +68,11 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
 
 @triton.jit
 def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
-    """Whether :func:`chunk_scores` may take the diagonal blocks of channel step o_k by one product
-    (:func:`midpoint_safe`); the other steps ("strong": e.g. padding gates of -1000) go through
-    :func:`diagonal_levels`."""
+    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`chunk_scores` may take
+    that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
+    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
-    return midpoint_safe(b_t0, b_t1, b_t2, b_t3)
-
-
-@triton.jit
-def midpoint_safe(b_t0, b_t1, b_t2, b_t3):
-    """Whether every sub-block's gate sum (per channel, [len(o_k)] each) is above -2 SAFE_EXP. Then each diagonal
-    block factors through its per-channel midpoint ``m = tot / 2``: ``exp(gP_i - m) exp(m - gP_j)``, both
-    exponents within +-SAFE_EXP since gP runs from 0 to tot inside the block (the block's start as reference, as
-    before, allowed only half the range: ``exp(-gP_j)`` up to ``exp(-tot)``)."""
-    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -2 * SAFE_EXP
+    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
 
 
 @triton.jit
@@ -187,8 +177,8 @@ def chunk_scores(
 
     * half: rows of sub-blocks 2-3 against columns of 0-1, through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``;
     * quarter: blocks (1, 0) and (3, 2), through the row between them: ``exp(gP_i) exp(tot_J - gP_j)``;
-    * diagonal blocks: ``exp(gP_i - m) exp(m - gP_j)`` through each block's midpoint m (one product), when every
-      sub-block's gate sum is above -2 SAFE_EXP (:func:`midpoint_safe`), so that both factors fit float32.
+    * diagonal blocks: ``exp(gP_i) exp(-gP_j)`` (one product), when every sub-block's gate sum is above
+      -SAFE_EXP, so that ``exp(-gP_j)`` fits float32.
 
     The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`) are
     :func:`diagonal_levels`' four products per matrix through reference rows, computed first (when the chunk has
@@ -235,14 +225,13 @@ def chunk_scores(
         b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
         b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
         b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
-        if midpoint_safe(b_t0, b_t1, b_t2, b_t3):
-            # |gP - tot / 2| <= SAFE_EXP: both factors <= exp(60) = 1.1e26 fit, and the pairs kept (j <= i) are <= 1
-            b_D = b_P - 0.5 * b_own                                        # [BT, BKS]
-            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))      # [BKS, BT]
+        b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
+        if tl.min(b_tmin) > -SAFE_EXP:
+            # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
+            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-            b_eD = fast_exp(b_D)
-            b_aq += tl.where(m_diag, mm_rounded(tf32_operand(b_q * b_eD, PREC), b_ct, b_zero, PREC), 0.0)
-            b_ak += tl.where(m_diag, mm_rounded(tf32_operand(b_k * b_eD, PREC), b_ct, b_zero, PREC), 0.0)
+            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
     return b_aq, b_ak
 
 
