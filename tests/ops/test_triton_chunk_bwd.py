@@ -283,22 +283,6 @@ def test_strong_decay_gradients(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_diagonal_block_gradients_through_their_midpoint(dtype, monkeypatch):
-    """Sub-blocks whose gate falls by ~109 (about -6.8 a step, every channel): out of reach of the block start as
-    reference (``exp(-gP_j)`` up to e^109) but not of each channel's midpoint, so the score gradients of the
-    diagonal blocks (chunk_bwd.diagonal_grads) take the four products, not the reference-row levels (counted), and
-    every gradient matches the float64 reference at the file's bars. Length 200, initial state."""
-    from kimi_linear.ops.triton import chunk_bwd
-
-    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
-    x = make_inputs(B=1, T=200, H=1, HV=2, K=64, V=16, dtype=dtype, seed=77)
-    noise = torch.randn(x["g"].shape, generator=torch.Generator().manual_seed(78), dtype=torch.float64)
-    x["g"] = (-6.8 + 0.2 * noise).to(dtype)
-    check(x, bar=1e-4 if dtype == torch.float32 else 2e-2)
-    assert not calls, "the midpoint products were not taken"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_level_gradients_on_every_diagonal_block(dtype, monkeypatch):
     """The score gradients' reference-row levels on every diagonal block of the sub-block scheme, mild channels
     included (chunk_common.SAFE_EXP forced to -1, forward too), so that every pair of a block carries weight: the

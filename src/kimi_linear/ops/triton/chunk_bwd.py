@@ -219,16 +219,14 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
     dAkk, both strictly lower (Aqk's diagonal is the caller's, see :func:`separable_grads`); returned with the
     sub-block's gate gradient ``dG = q dq + k (dk_rows - dk_columns)``.
 
-    With m each channel's midpoint of gP over the block, when every |gP - m| < SAFE_EXP, ``exp(gP_i - gP_j) =
-    exp(gP_i - m) exp(m - gP_j)`` (both factors fit float32; the block falls by up to 2 SAFE_EXP): four products.
-    Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows) every pair
+    When every |gP| < SAFE_EXP, ``exp(gP_i - gP_j) = exp(gP_i) exp(-gP_j)`` (both factors fit float32): four
+    products. Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows) every pair
     j < i is factored through a reference row r, j <= r < i, ``exp(gP_i - gP_r) exp(gP_r - gP_j)``, both factors
     <= 1, by the four levels S = 16, 8, 4, 2 of the forward (chunk_wy.diagonal_levels): four products per level
     (:func:`diagonal_level_grads`, which also adds the block's share of dG), exact at any gate."""
-    b_D = b_P - 0.5 * (tl.max(b_P, 0) + tl.min(b_P, 0))[None, :]             # [BC, BK] gP - m
-    if tl.max(tl.abs(b_D)) < SAFE_EXP:
-        b_e = tl.exp(b_D)
-        b_ie = tl.exp(-b_D)
+    if tl.max(tl.abs(b_P)) < SAFE_EXP:
+        b_e = tl.exp(b_P)
+        b_ie = tl.exp(-b_P)
         b_kie = b_k * b_ie
         b_dq += b_e * mm(b_dAq, b_kie, PREC)
         b_dkr += b_e * mm(b_dAk, b_kie, PREC)
