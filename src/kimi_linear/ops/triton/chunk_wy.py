@@ -196,7 +196,8 @@ def chunk_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
         # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
-        # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged)
+        # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
+        # or not is still decided per BKS-channel step, as the diagonal product below decides it.
         b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
