@@ -1,13 +1,14 @@
-"""A/B of the chunk forward's kernels across source trees: every tree's per-kernel times (CUDA profiler) for every
-gate regime of ``bench/kda_kernels.py``, rounds interleaved (tree A, B, ..., then A, B, ... again) so that drift
-of the card shows as a spread rather than as a difference, one table per regime with the median over rounds.
+"""A/B of the chunk kernels across source trees: every tree's per-kernel times (CUDA profiler) of the forward (and
+with ``--backward`` of forward + backward) for every gate regime of ``bench/kda_kernels.py``, rounds interleaved
+(tree A, B, ..., then A, B, ... again) so that drift of the card shows as a spread rather than as a difference, one
+table per regime with the median over rounds.
 
 A variant that lives in the git history (an experiment committed and reverted) is measured without checking it
 out: ``prepare`` exports ``src/`` of each revision into a folder here (no model assets), which a device call then
 carries beside the working tree::
 
     python bench/kda_ab.py prepare HEAD 82a80b2 --into .gl/ab          # here, needs git
-    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check]            # on the GPU (carry .gl)
+    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check] [--backward]   # on the GPU (carry .gl)
 
 ``--check`` also runs each tree's full-size GPU checks (``kda_kernels.py --check``: forward, backward, 1M tokens,
 varlen float32 extreme gates) and says which passed. ``--smoke`` runs on the CPU under the interpreter, tiny
@@ -24,7 +25,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LINE = re.compile(r"regime profile (\S+) (.+?), ours fwd: ([\d.]+) ms of kernels: (.*)$")
+LINE = re.compile(r"regime profile (\S+) (.+?), ours (fwd|fwd\+bwd): ([\d.]+) ms of kernels: (.*)$")
 KERNEL = re.compile(r"(chunk_kda_\w+?)_kernel ([\d.]+) ms x\d+")
 
 
@@ -48,16 +49,17 @@ def kda_kernels(tree: str, args: list[str], smoke: bool) -> subprocess.Completed
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
-def profile(tree: str, smoke: bool) -> dict[str, dict[str, float]]:
-    """regime -> {"forward": total ms, kernel: ms} for one run of ``tree``'s kernels."""
-    out = kda_kernels(tree, ["--regimes", "--profile", "--no-fla", "--no-backward", "--no-decode", "--only",
-                             "profile gate"], smoke).stdout
+def profile(tree: str, smoke: bool, backward: bool) -> dict[str, dict[str, float]]:
+    """regime -> {"total": ms of kernels, kernel: ms} for one run of ``tree``'s kernels; with ``backward`` also
+    "regime, fwd+bwd" -> the same for forward + backward (its twelve largest kernels)."""
+    out = kda_kernels(tree, ["--regimes", "--profile", "--no-fla", "--no-decode", "--only", "profile gate"]
+                      + ([] if backward else ["--no-backward"]), smoke).stdout
     times = {}
     for line in out.splitlines():
         m = LINE.search(line)
         if m:
-            times[f"{m.group(1)} {m.group(2)}"] = {"forward": float(m.group(3)),
-                                                   **{k: float(t) for k, t in KERNEL.findall(m.group(4))}}
+            what = f"{m.group(1)} {m.group(2)}" + (", fwd+bwd" if m.group(3) == "fwd+bwd" else "")
+            times[what] = {"total": float(m.group(4)), **{k: float(t) for k, t in KERNEL.findall(m.group(5))}}
     return times
 
 
@@ -70,7 +72,7 @@ def check(tree: str, smoke: bool) -> str:
     return f"FAIL (rc {res.returncode}): " + "; ".join(fails[:4] or [res.stderr.strip()[-300:]])
 
 
-def run(into: str, rounds: int, with_check: bool, smoke: bool) -> int:
+def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = False) -> int:
     trees = sorted(d for d in os.listdir(into) if os.path.isdir(os.path.join(into, d, "src")))
     if not trees:
         print(f"no trees under {into}: run `prepare` first", file=sys.stderr)
@@ -78,10 +80,10 @@ def run(into: str, rounds: int, with_check: bool, smoke: bool) -> int:
     runs = {t: [] for t in trees}
     for r in range(rounds):
         for t in trees:
-            runs[t].append(profile(os.path.join(into, t), smoke))
+            runs[t].append(profile(os.path.join(into, t), smoke, backward))
             print(f"round {r + 1} {t}: {len(runs[t][-1])} regimes", flush=True)
     for g in runs[trees[0]][0]:                        # the regimes, in the script's order
-        names = sorted({k for t in trees for one in runs[t] for k in one.get(g, {})}, key=lambda k: k != "forward")
+        names = sorted({k for t in trees for one in runs[t] for k in one.get(g, {})}, key=lambda k: k != "total")
         print(f"\n### {g} (ms, median of {rounds}; spread in parentheses)\n")
         print("| tree | " + " | ".join(names) + " |")
         print("|---|" + "---:|" * len(names))
@@ -108,11 +110,12 @@ def main() -> int:
     r.add_argument("into", nargs="?", default=".gl/ab")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--check", action="store_true", help="also each tree's full-size GPU checks")
+    r.add_argument("--backward", action="store_true", help="also forward + backward per regime")
     r.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     a = ap.parse_args()
     if a.cmd == "prepare":
         return prepare(a.revs, a.into)
-    return run(a.into, a.rounds, a.check, a.smoke)
+    return run(a.into, a.rounds, a.check, a.smoke, a.backward)
 
 
 if __name__ == "__main__":

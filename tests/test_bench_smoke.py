@@ -78,3 +78,34 @@ def test_kda_ab_smoke(tmp_path):
     assert done.stdout.count("### ") == 6                       # five regimes and the checks
     assert "| HEAD |" in done.stdout and "| broken |" in done.stdout
     assert "- HEAD: PASS" in done.stdout and "- broken: FAIL" in done.stdout
+
+
+def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
+    """bench/kda_ab.py's ``profile`` turns kda_kernels.py's regime-profile lines into per-regime kernel times:
+    the forward under the regime's name, forward + backward under "<regime>, fwd+bwd"; other lines are ignored."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kda_ab", ROOT / "bench" / "kda_ab.py")
+    kda_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kda_ab)
+    out = "\n".join([
+        "  regime profile 16x2048 strong decay, ours fwd: 4.945 ms of kernels: chunk_kda_fwd_scores_kernel 2.721 ms"
+        " x2; chunk_kda_fwd_wy_kernel 1.284 ms x1",
+        "  regime profile 16x2048 strong decay, fla fwd: 3.700 ms of kernels: chunk_kda_fwd_kernel_intra 0.790 ms x1",
+        "  regime profile 16x2048 strong decay, ours fwd+bwd: 20.100 ms of kernels: chunk_kda_bwd_intra_kernel"
+        " 6.700 ms x2",
+    ])
+    seen = []
+
+    def fake_run(tree, args, smoke):
+        seen.append(args)
+        return subprocess.CompletedProcess(args, 0, stdout=out)
+
+    monkeypatch.setattr(kda_ab, "kda_kernels", fake_run)
+    times = kda_ab.profile("tree", smoke=True, backward=True)
+    assert "--no-backward" not in seen[0]
+    assert times == {"16x2048 strong decay": {"total": 4.945, "chunk_kda_fwd_scores": 2.721,
+                                              "chunk_kda_fwd_wy": 1.284},
+                     "16x2048 strong decay, fwd+bwd": {"total": 20.1, "chunk_kda_bwd_intra": 6.7}}
+    kda_ab.profile("tree", smoke=True, backward=False)
+    assert "--no-backward" in seen[1]
