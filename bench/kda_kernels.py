@@ -855,6 +855,7 @@ def offline_sm90(cfg_json: str) -> int:
             sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
                                   capture_output=True, text=True).stdout
         if SASS_DIR:
+            os.makedirs(SASS_DIR, exist_ok=True)
             with open(os.path.join(SASS_DIR, f"{fn.__name__}.{len(seen)}.sass"), "w") as f_out:
                 f_out.write(sass)
         # the kernel's own line (a cubin may list helper functions before it)
