@@ -313,12 +313,11 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
-        Ad = p.empty(B, T, HV, 2 * BC)        # the diagonal levels' blocks, between launches 1 and 2
-        for part in (0, 1, 2):                 # separable chunks; the others' diagonal levels; the others
+        for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, PART=part, HALVES=halves, **tiles, Ad=Ad,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
-                **reg_cap(cfg.scores_regs if part == 0 else cfg.scores_rest_regs), **shared,
+                **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,

@@ -119,8 +119,8 @@ def diagonal_levels(
     PREC: tl.constexpr, STEP: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
-    decay, e.g. padding gates of -1000), for any gate: [NB, BC, BC] float32 blocks, zero above the diagonal (and on
-    it for Akk).
+    decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
+    above the diagonal (and on it for Akk).
 
     Every pair j < i of a block is covered by exactly one level S = 16, 8, 4, 2 (the same S-row block, i in its
     upper half, j in its lower half: chunk_common.level_pairs) and factored through the last row r of that lower
@@ -133,6 +133,7 @@ def diagonal_levels(
     blocks: finite, every factor <= 1, and dropped there). All four levels share one pass over the channels (the
     tiles are loaded once a step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
     NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
     b_q2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_k2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_q4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
@@ -158,9 +159,9 @@ def diagonal_levels(
                                         HV, K, BT, BC, BKS, PREC, 8)
             b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
                                           HV, K, BT, BC, BKS, PREC, 16)
-    o_i = tl.arange(0, BC)
-    b_dd = tl.where((o_i[:, None] == o_i[None, :])[None, :, :], tl.reshape(b_d, [NB, BC])[:, :, None], 0.0)
-    return level_sum(b_q2, b_q4, b_q8, b_q16, BC) + b_dd, level_sum(b_k2, b_k4, b_k8, b_k16, BC)
+    b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
+    b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
+    return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
 @triton.jit
@@ -168,7 +169,7 @@ def chunk_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr, Ad,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
 
@@ -194,13 +195,10 @@ def chunk_scores(
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        # the diagonal levels' blocks, stored by the launch before (:func:`level_blocks`)
-        o_c = tl.arange(0, BC)
-        NB: tl.constexpr = BT // BC
-        b_aq = block_diagonal(tl.reshape(load_rows(Ad, bos, t0, T_n, i_hv, HV, 2 * BC, o_c, BT), [NB, BC, BC]),
-                              BT, BC)
-        b_ak = block_diagonal(tl.reshape(load_rows(Ad, bos, t0, T_n, i_hv, HV, 2 * BC, BC + o_c, BT),
-                                         [NB, BC, BC]), BT, BC)
+        # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
+        # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
+        # or not is still decided per BKS-channel step, as the diagonal product below decides it.
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -329,9 +327,8 @@ def chunk_kda_fwd_scores_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PART: tl.constexpr, HALVES: tl.constexpr,
+    SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
-    Ad,                               # [B, T, HV, 2 BC] f32 scratch: the diagonal levels' blocks of Aqk, Akk
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -343,7 +340,7 @@ def chunk_kda_fwd_scores_kernel(
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
     sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-    if PART == 0:
+    if SEPARABLE:
         if sep:
             b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                                           PREC, d_q, d_k, d_gP, TMA)
@@ -352,33 +349,14 @@ def chunk_kda_fwd_scores_kernel(
         bounded = False
         if HALVES:
             bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-        if PART == 1:
-            if not bounded:
-                level_blocks(q, k, gP, Ad, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BK, BKS, PREC)
-        elif bounded:
+        if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                      BK, d_q, d_k, d_gP, TMA, Ad)
+                                      BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-
-
-@triton.jit
-def level_blocks(q, k, gP, Ad, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
-    """:func:`diagonal_levels` of a chunk with strong channel steps, stored as [BT, BC] rows (Aqk's blocks, then
-    Akk's) into the scratch ``Ad`` for :func:`chunk_scores` in the next launch: in a launch of their own, the
-    levels do not share the sub-block scheme's registers."""
-    if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
-        # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
-        # or not is still decided per BKS-channel step, as chunk_scores' diagonal product decides it.
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
-        o_c = tl.arange(0, BC)
-        store_rows(Ad, tl.reshape(b_aq, [BT, BC]), bos, t0, T_n, i_hv, HV, 2 * BC, o_c, BT)
-        store_rows(Ad, tl.reshape(b_ak, [BT, BC]), bos, t0, T_n, i_hv, HV, 2 * BC, BC + o_c, BT)
 
 
 @triton.jit
