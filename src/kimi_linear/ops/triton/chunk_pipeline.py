@@ -316,12 +316,11 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                beta=beta, Tm=Tm, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-    # the WY factors from the inverse in memory (formed by the scores kernel, or kept from the forward)
-    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2,
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
+    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan

@@ -329,7 +329,6 @@ def chunk_kda_fwd_scores_kernel(
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
-    beta, Tm, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,   # the inverse, formed here
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -358,10 +357,6 @@ def chunk_kda_fwd_scores_kernel(
             b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                       BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-    if sep == SEPARABLE:
-        # the chunk's inverse from the Akk rows just stored (L1 / L2 hits), so the WY kernel only multiplies
-        tl.debug_barrier()
-        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
 
 
 @triton.jit
