@@ -10,6 +10,12 @@ carries beside the working tree::
     python bench/kda_ab.py prepare HEAD 82a80b2 --into .gl/ab          # here, needs git
     python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check] [--backward]   # on the GPU (carry .gl)
 
+A launch-config variant of a revision is a tree of its own: ``prepare REV --name NAME --config JSON`` exports REV
+as NAME with ``config.json`` beside its ``src/``, and every run on it passes that JSON as ``kda_kernels.py
+--config`` (LaunchConfig fields)::
+
+    python bench/kda_ab.py prepare d0ee2b9 --name d0ee2b9-cap168 --config '{"scores_regs": 168}'
+
 ``--check`` also runs each tree's full-size GPU checks (``kda_kernels.py --check``: forward, backward, 1M tokens,
 varlen float32 extreme gates) and says which passed. ``--smoke`` runs on the CPU under the interpreter, tiny
 shapes, to check the script (no kernel times there).
@@ -18,6 +24,7 @@ shapes, to check the script (no kernel times there).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -25,26 +32,40 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG = "config.json"                                   # a tree's launch config (prepare --config)
 LINE = re.compile(r"regime profile (\S+) (.+?), ours (fwd|fwd\+bwd): ([\d.]+) ms of kernels: (.*)$")
 KERNEL = re.compile(r"(chunk_kda_\w+?)_kernel ([\d.]+) ms x\d+")
 
 
-def prepare(revs: list[str], into: str) -> int:
-    """``src/`` of each revision (model assets left out) into ``into/<rev>``."""
+def prepare(revs: list[str], into: str, name: str = "", config: str = "") -> int:
+    """``src/`` of each revision (model assets left out) into ``into/<rev>`` (``into/<name>`` for one revision),
+    with ``config`` (LaunchConfig fields, JSON) as the tree's ``config.json``."""
+    if name and len(revs) != 1:
+        print("--name takes exactly one revision", file=sys.stderr)
+        return 2
+    if config:
+        json.loads(config)                                     # a clear error here, not one per run on the GPU
     os.makedirs(into, exist_ok=True)
     for rev in revs:
-        dest = os.path.join(into, rev)
+        dest = os.path.join(into, name or rev)
         os.makedirs(dest, exist_ok=True)
         archive = subprocess.run(["git", "archive", rev, "src", ":(exclude)src/kimi_linear/assets"],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+        if config:
+            with open(os.path.join(dest, CONFIG), "w") as f:
+                f.write(config)
         print(f"{rev}: {dest}/src")
     return 0
 
 
 def kda_kernels(tree: str, args: list[str], smoke: bool) -> subprocess.CompletedProcess:
-    """``bench/kda_kernels.py args`` (this checkout's script) on ``tree``'s package, in a process of its own."""
+    """``bench/kda_kernels.py args`` (this checkout's script) on ``tree``'s package, in a process of its own, under
+    the tree's launch config if it has one."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tree, "src"), os.environ.get("PYTHONPATH", "")]))
+    if os.path.exists(os.path.join(tree, CONFIG)):
+        with open(os.path.join(tree, CONFIG)) as f:
+            args = [*args, "--config", f.read()]
     cmd = [sys.executable, os.path.join(HERE, "kda_kernels.py"), *args] + (["--smoke"] if smoke else [])
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
@@ -106,6 +127,8 @@ def main() -> int:
     p = sub.add_parser("prepare", help="export src/ of git revisions (here)")
     p.add_argument("revs", nargs="+")
     p.add_argument("--into", default=".gl/ab")
+    p.add_argument("--name", default="", help="the tree's folder name (one revision; default the revision)")
+    p.add_argument("--config", default="", metavar="JSON", help="LaunchConfig fields the tree runs under")
     r = sub.add_parser("run", help="profile every prepared tree (GPU)")
     r.add_argument("into", nargs="?", default=".gl/ab")
     r.add_argument("--rounds", type=int, default=2)
@@ -114,7 +137,7 @@ def main() -> int:
     r.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     a = ap.parse_args()
     if a.cmd == "prepare":
-        return prepare(a.revs, a.into)
+        return prepare(a.revs, a.into, a.name, a.config)
     return run(a.into, a.rounds, a.check, a.smoke, a.backward)
 
 

@@ -80,14 +80,19 @@ def test_kda_ab_smoke(tmp_path):
     assert "- HEAD: PASS" in done.stdout and "- broken: FAIL" in done.stdout
 
 
-def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
-    """bench/kda_ab.py's ``profile`` turns kda_kernels.py's regime-profile lines into per-regime kernel times:
-    the forward under the regime's name, forward + backward under "<regime>, fwd+bwd"; other lines are ignored."""
+def load_kda_ab():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("kda_ab", ROOT / "bench" / "kda_ab.py")
     kda_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kda_ab)
+    return kda_ab
+
+
+def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
+    """bench/kda_ab.py's ``profile`` turns kda_kernels.py's regime-profile lines into per-regime kernel times:
+    the forward under the regime's name, forward + backward under "<regime>, fwd+bwd"; other lines are ignored."""
+    kda_ab = load_kda_ab()
     out = "\n".join([
         "  regime profile 16x2048 strong decay, ours fwd: 4.945 ms of kernels: chunk_kda_fwd_scores_kernel 2.721 ms"
         " x2; chunk_kda_fwd_wy_kernel 1.284 ms x1",
@@ -109,3 +114,24 @@ def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
                      "16x2048 strong decay, fwd+bwd": {"total": 20.1, "chunk_kda_bwd_intra": 6.7}}
     kda_ab.profile("tree", smoke=True, backward=False)
     assert "--no-backward" in seen[1]
+
+
+def test_kda_ab_tree_with_a_launch_config(tmp_path, monkeypatch):
+    """``prepare REV --name NAME --config JSON`` exports the revision as NAME with the config beside its src/, and
+    every kda_kernels.py run on that tree gets ``--config JSON``; a tree without one runs the defaults; a config
+    that is not JSON is refused before anything is exported."""
+    kda_ab = load_kda_ab()
+    monkeypatch.chdir(ROOT)
+    assert kda_ab.prepare(["HEAD"], str(tmp_path), name="capped", config='{"scores_regs": 168}') == 0
+    assert (tmp_path / "capped" / "src" / "kimi_linear" / "ops").is_dir()
+    with pytest.raises(ValueError):
+        kda_ab.prepare(["HEAD"], str(tmp_path), name="bad", config="{scores_regs: 168}")
+    assert not (tmp_path / "bad").exists()
+    assert kda_ab.prepare(["HEAD", "HEAD~1"], str(tmp_path), name="two") == 2
+    cmds = []
+    monkeypatch.setattr(kda_ab.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
+    kda_ab.kda_kernels(str(tmp_path / "capped"), ["--check"], False)
+    (tmp_path / "plain" / "src").mkdir(parents=True)
+    kda_ab.kda_kernels(str(tmp_path / "plain"), ["--check"], False)
+    assert cmds[0][-3:] == ["--check", "--config", '{"scores_regs": 168}']
+    assert "--config" not in cmds[1]
