@@ -106,9 +106,8 @@ class LaunchConfig:
     scores_regs: int = 0              # the separable chunks' launch (160 registers uncapped, no spills)
     # The other chunks' launch (halves and sub-block schemes, 255 registers uncapped): capped at 168 it runs two
     # programs an SM for 248 B of spills. H200, 2026-12-03, scores kernel ms at 16x2048, bench gates / layer init /
-    # strong decay / lower_bound saturated / active: 0.636 / 0.665 / 2.794 / 0.875 / 0.580 against 0.657 / 0.698 /
-    # 2.761 / 1.034 / 0.600 uncapped (both with the diagonal levels at 16 channels a step, on a version that
-    # skipped some mild diagonal blocks, BENCHMARKS.md; the fixed code capped: 0.637 / 0.663 / 2.721 / 0.871 / 0.577)
+    # strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 / 0.577; uncapped 0.02-0.16 ms
+    # slower in every regime but strong decay, 0.03 ms faster there (BENCHMARKS.md, "Gate regimes")
     scores_rest_regs: int = 168
     wy_regs: int = 168
     bwd_regs: int = 0

@@ -72,6 +72,13 @@ def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC
     that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
     of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
+    return totals_safe(b_t0, b_t1, b_t2, b_t3)
+
+
+@triton.jit
+def totals_safe(b_t0, b_t1, b_t2, b_t3):
+    """:func:`safe_step`'s test on the four sub-block totals of a channel step (one test for both the diagonal
+    product of :func:`chunk_scores` and :func:`diagonal_levels`, so each channel's pairs come from exactly one)."""
     return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
 
 
@@ -226,8 +233,7 @@ def chunk_scores(
         b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
         b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
         b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
-        b_tmin = tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))
-        if tl.min(b_tmin) > -SAFE_EXP:
+        if totals_safe(b_t0, b_t1, b_t2, b_t3):
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
             b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
