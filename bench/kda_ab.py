@@ -8,7 +8,8 @@ out: ``prepare`` exports ``src/`` of each revision into a folder here (no model 
 carries beside the working tree::
 
     python bench/kda_ab.py prepare HEAD 82a80b2 --into .gl/ab          # here, needs git
-    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check] [--backward]   # on the GPU (carry .gl)
+    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check] [--backward] [--save $OUT/ab.json]   # on the GPU
+    python bench/kda_ab.py table ab1.json ab2.json      # the tables again, from runs saved by one or more calls
 
 A launch-config variant of a revision is a tree of its own: ``prepare REV --name NAME --config JSON`` exports REV
 as NAME with ``config.json`` beside its ``src/``, and every run on it passes that JSON as ``kda_kernels.py
@@ -17,7 +18,9 @@ as NAME with ``config.json`` beside its ``src/``, and every run on it passes tha
     python bench/kda_ab.py prepare d0ee2b9 --name d0ee2b9-cap168 --config '{"scores_regs": 168}'
 
 ``--check`` also runs each tree's full-size GPU checks (``kda_kernels.py --check``: forward, backward, 1M tokens,
-varlen float32 extreme gates) and says which passed. ``--smoke`` runs on the CPU under the interpreter, tiny
+varlen float32 extreme gates) and says which passed. ``--save FILE`` writes every profile to FILE (JSON) as it
+lands, so a call cut short by its time limit still leaves its rounds, and runs split across calls combine in
+``table``. ``--smoke`` runs on the CPU under the interpreter, tiny
 shapes, to check the script (no kernel times there).
 """
 
@@ -93,18 +96,13 @@ def check(tree: str, smoke: bool) -> str:
     return f"FAIL (rc {res.returncode}): " + "; ".join(fails[:4] or [res.stderr.strip()[-300:]])
 
 
-def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = False) -> int:
-    trees = sorted(d for d in os.listdir(into) if os.path.isdir(os.path.join(into, d, "src")))
-    if not trees:
-        print(f"no trees under {into}: run `prepare` first", file=sys.stderr)
-        return 2
-    runs = {t: [] for t in trees}
-    for r in range(rounds):
-        for t in trees:
-            runs[t].append(profile(os.path.join(into, t), smoke, backward))
-            print(f"round {r + 1} {t}: {len(runs[t][-1])} regimes", flush=True)
-    for g in runs[trees[0]][0]:                        # the regimes, in the script's order
+def table(runs: dict[str, list[dict]]) -> None:
+    """One table per regime: every tree's total and per-kernel ms, median over its rounds with the spread."""
+    trees = sorted(runs)
+    regimes = list(dict.fromkeys(g for t in trees for one in runs[t] for g in one))   # the script's order
+    for g in regimes:
         names = sorted({k for t in trees for one in runs[t] for k in one.get(g, {})}, key=lambda k: k != "total")
+        rounds = max(sum(g in one for one in runs[t]) for t in trees)
         print(f"\n### {g} (ms, median of {rounds}; spread in parentheses)\n")
         print("| tree | " + " | ".join(names) + " |")
         print("|---|" + "---:|" * len(names))
@@ -114,11 +112,37 @@ def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = 
                 vals = [one[g][k] for one in runs[t] if k in one.get(g, {})]
                 cells.append(f"{statistics.median(vals):.3f} ({max(vals) - min(vals):.3f})" if vals else "-")
             print(f"| {t} | " + " | ".join(cells) + " |")
+
+
+def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = False, save: str = "") -> int:
+    trees = sorted(d for d in os.listdir(into) if os.path.isdir(os.path.join(into, d, "src")))
+    if not trees:
+        print(f"no trees under {into}: run `prepare` first", file=sys.stderr)
+        return 2
+    runs = {t: [] for t in trees}
+    for r in range(rounds):
+        for t in trees:
+            runs[t].append(profile(os.path.join(into, t), smoke, backward))
+            print(f"round {r + 1} {t}: {len(runs[t][-1])} regimes", flush=True)
+            if save:
+                with open(save, "w") as f:
+                    json.dump(runs, f)
+    table(runs)
     if with_check:
         print("\n### full-size checks\n")
         for t in trees:
             print(f"- {t}: {check(os.path.join(into, t), smoke)}", flush=True)
     return 0
+
+
+def merged(files: list[str]) -> dict[str, list[dict]]:
+    """The rounds of several saved runs, per tree (a tree may be missing from some)."""
+    runs: dict[str, list[dict]] = {}
+    for path in files:
+        with open(path) as f:
+            for t, rs in json.load(f).items():
+                runs.setdefault(t, []).extend(rs)
+    return runs
 
 
 def main() -> int:
@@ -135,10 +159,16 @@ def main() -> int:
     r.add_argument("--check", action="store_true", help="also each tree's full-size GPU checks")
     r.add_argument("--backward", action="store_true", help="also forward + backward per regime")
     r.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
+    r.add_argument("--save", default="", metavar="FILE", help="write the profiles to FILE (JSON) as they land")
+    t = sub.add_parser("table", help="the tables from runs saved with --save (here)")
+    t.add_argument("files", nargs="+")
     a = ap.parse_args()
     if a.cmd == "prepare":
         return prepare(a.revs, a.into, a.name, a.config)
-    return run(a.into, a.rounds, a.check, a.smoke, a.backward)
+    if a.cmd == "table":
+        table(merged(a.files))
+        return 0
+    return run(a.into, a.rounds, a.check, a.smoke, a.backward, a.save)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ Triton interpreter for the kernels), so a device session never fails on a typo."
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -135,3 +136,33 @@ def test_kda_ab_tree_with_a_launch_config(tmp_path, monkeypatch):
     kda_ab.kda_kernels(str(tmp_path / "plain"), ["--check"], False)
     assert cmds[0][-3:] == ["--check", "--config", '{"scores_regs": 168}']
     assert "--config" not in cmds[1]
+
+
+def test_kda_ab_saves_each_profile_and_tables_merge_calls(tmp_path, monkeypatch, capsys):
+    """``run --save FILE`` rewrites FILE after every profile (a call cut short keeps what it measured), and
+    ``table`` over several saved files shows each tree's median over all of their rounds."""
+    kda_ab = load_kda_ab()
+    for t in ("A", "B"):
+        (tmp_path / "trees" / t / "src").mkdir(parents=True)
+    times = iter([1.0, 2.0, 3.0, 4.0])
+    saved = []
+
+    def fake_profile(tree, smoke, backward):
+        if saved:                                 # the previous profile is already on disk
+            with open(tmp_path / "one.json") as f:
+                saved.append(sum(len(rs) for rs in json.load(f).values()))
+        else:
+            saved.append(0)
+        return {"mild": {"total": next(times), "chunk_kda_fwd_wy": 0.5}}
+
+    monkeypatch.setattr(kda_ab, "profile", fake_profile)
+    assert kda_ab.run(str(tmp_path / "trees"), 2, False, True, save=str(tmp_path / "one.json")) == 0
+    assert saved == [0, 1, 2, 3]
+    with open(tmp_path / "two.json", "w") as f:
+        json.dump({"A": [{"mild": {"total": 11.0}}]}, f)
+    capsys.readouterr()
+    kda_ab.table(kda_ab.merged([str(tmp_path / "one.json"), str(tmp_path / "two.json")]))
+    out = capsys.readouterr().out
+    assert "### mild (ms, median of 3" in out
+    assert "| A | 3.000 (10.000) | 0.500 (0.000) |" in out      # A: 1, 3, 11
+    assert "| B | 3.000 (2.000) | 0.500 (0.000) |" in out       # B: 2, 4
