@@ -363,6 +363,21 @@ def separable_offset(b_P, b_t0, b_t1, b_t2, s_r):
 
 
 @triton.jit
+def halves_exponents(b_P, b_t0, b_t1, b_t2, s_r):
+    """The exponents of the scores by halves (chunk_wy.halves_scores, chunk_bwd.halves_grads) from the chunk's gP
+    tile ([BT, BKS]) and the totals of sub-blocks 0-2 ([BKS] each); ``s_r``: [BT, 1], each row's sub-block.
+
+    * ``D = G - R``, R the last row of the first sub-block of the row's half (row 15 or 47): ``gP - tot`` on
+      sub-blocks 0 and 2, ``gP`` on 1 and 3; |D| < HALF_LIMIT on a chunk :func:`sub_blocks_bounded` accepts;
+    * ``X``, the factors across the halves through row 31: ``G - G_31`` on half 1, ``G_31 - G`` on half 0 (the
+      columns of those products), <= 0 everywhere."""
+    b_D = b_P - tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 2, b_t2[None, :], 0.0))
+    b_X = tl.where(s_r == 0, (b_t0 + b_t1)[None, :] - b_P, tl.where(s_r == 1, b_t1[None, :] - b_P,
+                   b_P + tl.where(s_r == 3, b_t2[None, :], 0.0)))
+    return b_D, b_X
+
+
+@triton.jit
 def later_factor(b_P, b_t1, b_t2, S, BT: tl.constexpr, BC: tl.constexpr):
     """``exp(G_i - G_r)`` on the rows i after sub-block S (r: S's last row), zero up to S's end: [BT, BKS]. The
     exponent is ``gP_i + sum_{S < M < I} tot_M`` (I: row i's sub-block), a sum of non-positive terms."""
