@@ -268,7 +268,7 @@ def chunk_kda_bwd_intra_kernel(
     3.32 at 16 x 2048 lower_bound on the H200.)"""
     NC: tl.constexpr = BT // BC
     i_cs, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
-    if PATH == 1:
+    if PATH != 2:
         i_c, S = i_cs, 0
     else:
         i_c, S = i_cs // NC, i_cs % NC
