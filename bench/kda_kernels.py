@@ -282,6 +282,15 @@ def profile_regimes(fla_chunk, backward: bool) -> None:
         save()
 
 
+def float64_reference(L, lb: bool):
+    """``(o, final state)`` of the float64 recurrence (ops.naive_recurrent_kda) with the in-kernel transforms
+    (l2norm, gate, beta sigmoid) applied to float64 leaves ``L``, differentiably."""
+    o_ = opts(L, lb)
+    ko = KernelOptions(True, True, True, False, L["A_log"], L["dt_bias"], o_["lower_bound"])
+    q, k, g, beta = ko.apply(L["q"], L["k"], L["g"], L["beta"])
+    return kops.naive_recurrent_kda(q, k, L["v"], g, beta, initial_state=L["initial_state"], output_final_state=True)
+
+
 def opts(x, lb: bool) -> dict:
     return dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0 if lb else None)
@@ -403,39 +412,55 @@ class Checks:
         with an initial state and a final-state cotangent; fla's gradient errors for context."""
         for i, (B, T) in enumerate(S.shapes):
             lb = i == 1
-            x = make(B, T, lb=lb, seed=4)
-            x["initial_state"] = torch.randn(B, S.H, S.D, S.D, device=S.dev)
-            do = torch.randn_like(x["v"])
-            dht = torch.randn_like(x["initial_state"])
-            names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+            self.gradients(f"chunk bwd {B}x{T} {'lower_bound' if lb else 'softplus'}", make(B, T, lb=lb, seed=4), lb,
+                           with_fla=True)
 
-            def grads(fn, cast):
-                leaves = {n: cast(t).detach().clone().requires_grad_() for n, t in x.items()}
-                o, St = fn(leaves)
-                ((o.float() * do.float()).sum() + (St * dht).sum()).backward()
-                out = {n: leaves[n].grad for n in names}
-                del leaves, o, St
-                return out
+    def regime_gradients(self):
+        """The same gradient check on every gate regime of REGIMES at 2 x 2048 against the float64 recurrence (the
+        gate and l2norm applied in float64): each of the score gradients' paths (separable, by halves, by sub-blocks
+        with the diagonal levels) at full size on the GPU. (The float32 PyTorch path is no reference for dA_log
+        under strong decay: one float32 sum of terms that cancel, 0.19 off float64 in the smoke run.)"""
+        B, T = (1, 130) if S.smoke else (2, 2048)
+        for regime in REGIMES:
+            x, lb = make_regime(B, T, regime, seed=5)
+            self.gradients(f"regime bwd {B}x{T} {regime}", x, lb, with_fla=False, reference=float64_reference)
 
-            ref = None
+    def gradients(self, tag, x, lb, with_fla, reference=None):
+        """Our gradients of every input against ``reference(leaves, lb) -> (o, final state)`` (default: the
+        PyTorch path in float32) at the bar 2e-2, with an initial state and random cotangents."""
+        B = x["q"].shape[0]
+        x["initial_state"] = torch.randn(B, S.H, S.D, S.D, device=S.dev)
+        do = torch.randn_like(x["v"])
+        dht = torch.randn_like(x["initial_state"])
+        names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+        def grads(fn, cast):
+            leaves = {n: cast(t).detach().clone().requires_grad_() for n, t in x.items()}
+            o, St = fn(leaves)
+            ((o.float() * do.float()).sum() + (St * dht).sum()).backward()
+            out = {n: leaves[n].grad for n in names}
+            del leaves, o, St
+            return out
+
+        if reference is None:
             with torch_backend():
                 ref = grads(lambda L: kops.chunk_kda(*args5(L), initial_state=L["initial_state"],
-                                                     output_final_state=True, **opts(L, lb)),
-                            lambda t: t.float())
-            with Poison():
-                got = grads(lambda L: ours_grad(L, lb, h0=L["initial_state"]), lambda t: t)
-            tag = f"chunk bwd {B}x{T} {'lower_bound' if lb else 'softplus'}"
-            for n in names:
-                self.verdict(f"{tag} d{n}", rel(got[n], ref[n]), 2e-2)
-            if self.fla_chunk is not None:
-                try:
-                    fl = grads(lambda L: self.fla_chunk(*args5(L), initial_state=L["initial_state"],
-                                                        output_final_state=True, **fla_opts(L, lb)), lambda t: t)
-                    say("  (fla's gradients on the same inputs: " + ", ".join(
-                        f"d{n} {rel(fl[n], ref[n]):.1e}" for n in names if fl[n] is not None) + ")")
-                except Exception as e:  # noqa: BLE001
-                    say(f"  (fla's gradients failed: {type(e).__name__}: {e})")
-            del ref, got
+                                                     output_final_state=True, **opts(L, lb)), lambda t: t.float())
+        else:
+            ref = grads(lambda L: reference(L, lb), lambda t: t.double())
+        with Poison():
+            got = grads(lambda L: ours_grad(L, lb, h0=L["initial_state"]), lambda t: t)
+        for n in names:
+            self.verdict(f"{tag} d{n}", rel(got[n], ref[n]), 2e-2)
+        if with_fla and self.fla_chunk is not None:
+            try:
+                fl = grads(lambda L: self.fla_chunk(*args5(L), initial_state=L["initial_state"],
+                                                    output_final_state=True, **fla_opts(L, lb)), lambda t: t)
+                say("  (fla's gradients on the same inputs: " + ", ".join(
+                    f"d{n} {rel(fl[n], ref[n]):.1e}" for n in names if fl[n] is not None) + ")")
+            except Exception as e:  # noqa: BLE001
+                say(f"  (fla's gradients failed: {type(e).__name__}: {e})")
+        del ref, got
 
     def varlen_gva_extreme_gates(self):
         """varlen with length-1 sequences, GVA, float32, extreme gates (-1000 every 7th step, exactly 0 every 5th):
@@ -939,6 +964,7 @@ def main() -> int:
     steps += [("bench chunk forward", bench, lambda: bench_chunk(*need_ceilings(), fla_chunk, False))]
     steps += [("check chunk backward", a.check, checks.chunk_backward)]
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
+    steps += [("check regime gradients", a.check, checks.regime_gradients)]
     steps += [("profile chunk", a.profile and not a.regimes, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
     steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk, a.sweep_case))]
     steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
