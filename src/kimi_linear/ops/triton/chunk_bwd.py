@@ -35,6 +35,7 @@ from .chunk_common import (
     cast,
     chunk_coords,
     chunk_gate_terms,
+    chunk_kind,
     chunk_separable,
     earlier_factor,
     fast_exp,
@@ -55,7 +56,6 @@ from .chunk_common import (
     store_rows,
     sub_block_total,
     sub_block_totals,
-    sub_blocks_bounded,
     tf32_operand,
 )
 from .transforms import softplus
@@ -275,18 +275,18 @@ def chunk_kda_bwd_intra_kernel(
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
-    by_halves = not sep and sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
     if PATH == 1:
-        if sep:
+        if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
             separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
                             H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
     elif PATH == 3:
-        if by_halves:
+        sep, bounded = chunk_kind(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
+        if bounded and not sep:
             halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
                          H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
     else:
-        if not sep and not by_halves:
+        sep, bounded = chunk_kind(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
+        if not sep and not bounded:
             sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
                             H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
