@@ -18,7 +18,8 @@ The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-
   gradients into q_hat, k_hat and G, with the same overflow-free factorisations as the forward scores (every
   earlier column in one product, every later row in one product, the diagonal block by ``exp(gP_i) exp(-gP_j)``
   or, under strong decay, by the forward's four levels of reference rows: :func:`diagonal_grads`); the separable
-  chunks whole, in four products, by a launch of their own.
+  chunks whole, in four products, and the chunks bounded per sub-block whole by halves, in eight, by launches of
+  their own.
 - :func:`chunk_kda_bwd_gate_kernel` (chunk, key block, value head): dg = the reverse cumulative sum of dG inside the
   chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
 - :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
