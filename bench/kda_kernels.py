@@ -417,8 +417,8 @@ class Checks:
 
     def regime_gradients(self):
         """The same gradient check on every gate regime of REGIMES at 2 x 2048 against the float64 recurrence (the
-        gate and l2norm applied in float64): each of the score gradients' paths (separable, by halves, by sub-blocks
-        with the diagonal levels) at full size on the GPU. (The float32 PyTorch path is no reference for dA_log
+        gate and l2norm applied in float64): each of the score gradients' paths (separable, by sub-blocks with the
+        diagonal levels) at full size on the GPU. (The float32 PyTorch path is no reference for dA_log
         under strong decay: one float32 sum of terms that cancel, 0.19 off float64 in the smoke run.) In the smoke
         run (one head) dA_log is a single number, whose error moved between 4e-3 and 4e-2 with the random cotangents
         before they were seeded."""

@@ -439,10 +439,9 @@ def chunk_kda_bwd_pipeline(
                  PREC=p.prec_exact,
                  num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     BKs = min(cfg.bwd_sep_bk, p.BK)
-    # separable chunks whole (PATH 1), bounded ones whole by halves (3), then the others by sub-blocks (2)
-    for path in (1, 3):
-        chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
-            PATH=path, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
+    # separable chunks whole (PATH 1), then the others by sub-blocks (PATH 2)
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
+        PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
     chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
