@@ -18,9 +18,9 @@ as NAME with ``config.json`` beside its ``src/``, and every run on it passes tha
     python bench/kda_ab.py prepare d0ee2b9 --name d0ee2b9-cap168 --config '{"scores_regs": 168}'
 
 ``--check`` also runs each tree's full-size GPU checks (``kda_kernels.py --check``: forward, backward, 1M tokens,
-varlen float32 extreme gates) and says which passed. ``--save FILE`` writes every profile to FILE (JSON) as it
-lands, so a call cut short by its time limit still leaves its rounds, and runs split across calls combine in
-``table``. ``--smoke`` runs on the CPU under the interpreter, tiny
+every gate regime's gradients against float64, varlen float32 extreme gates) and says which passed. ``--save
+FILE`` writes every profile to FILE (JSON) as it lands, so a call cut short by its time limit still leaves its
+rounds, and runs split across calls combine in ``table``. ``--smoke`` runs on the CPU under the interpreter, tiny
 shapes, to check the script (no kernel times there).
 """
 

@@ -20,9 +20,10 @@ once with the ``lower_bound=-5`` gate (fla: ``safe_gate=True, lower_bound=-5``);
 measured in this run, FLOPs (6 T d^2 per head forward, 3x that with the backward) over the bf16 matmul rate measured
 in this run; the larger of the two. fla comes from the carried wheel (see BENCHMARKS.md for the command).
 
-Steps run in priority order (checks of the default chunk path and its timings first, then the 1M-token check, the
-profile, varlen, SDPA, decode); each step is fenced (a failure is printed and the next step runs) and, with
-``--budget``, steps that would start after the budget are skipped and listed, so a run always ends with its table.
+Steps run in priority order (checks of the default chunk path and its timings first, then the 1M-token check,
+every gate regime's gradients, the profile, varlen, SDPA, decode); each step is fenced (a failure is printed and the
+next step runs) and, with ``--budget``, steps that would start after the budget are skipped and listed, so a run
+always ends with its table.
 ``kernels.log`` and ``kernels.json`` are rewritten after every step (``--out``, default $OUT).
 
 Timings are medians of ``triton.testing.do_bench`` (events; median mode) or of CUDA-graph replays.
