@@ -286,9 +286,7 @@ def profile_regimes(fla_chunk, backward: bool) -> None:
 def float64_reference(L, lb: bool):
     """``(o, final state)`` of the float64 recurrence (ops.naive_recurrent_kda) with the in-kernel transforms
     (l2norm, gate, beta sigmoid) applied to float64 leaves ``L``, differentiably."""
-    o_ = opts(L, lb)
-    ko = KernelOptions(True, True, True, False, L["A_log"], L["dt_bias"], o_["lower_bound"])
-    q, k, g, beta = ko.apply(L["q"], L["k"], L["g"], L["beta"])
+    q, k, g, beta = KernelOptions(**opts(L, lb)).apply(L["q"], L["k"], L["g"], L["beta"])
     return kops.naive_recurrent_kda(q, k, L["v"], g, beta, initial_state=L["initial_state"], output_final_state=True)
 
 
