@@ -152,20 +152,23 @@ def diagonal_levels(
     b_d = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        # strong or not as :func:`chunk_scores` decides it: by its channel step (STEP channels) holding o_k
-        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC):
-            b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                         # [BT, BKS]
-            b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)   # [BT, BKS]
-            b_d += tl.sum(b_q * b_k, 1)
-            b_q2, b_k2 = level_products(b_q2, b_k2, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                        HV, K, BT, BC, BKS, PREC, 2)
-            b_q4, b_k4 = level_products(b_q4, b_k4, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                        HV, K, BT, BC, BKS, PREC, 4)
-            b_q8, b_k8 = level_products(b_q8, b_k8, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                        HV, K, BT, BC, BKS, PREC, 8)
-            b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                          HV, K, BT, BC, BKS, PREC, 16)
+        # strong or not as :func:`chunk_scores` decides it: by its channel step (STEP channels) holding o_k. A mild
+        # step's q and k are zeroed rather than branched around: with every load of the step unconditional, they
+        # all issue at once (and the pipeliner may prefetch them), where a branch on the totals made each step
+        # wait for two dependent rounds of loads
+        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
+        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                             # [BT, BKS]
+        b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_d += tl.sum(b_q * b_k, 1)
+        b_q2, b_k2 = level_products(b_q2, b_k2, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                    HV, K, BT, BC, BKS, PREC, 2)
+        b_q4, b_k4 = level_products(b_q4, b_k4, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                    HV, K, BT, BC, BKS, PREC, 4)
+        b_q8, b_k8 = level_products(b_q8, b_k8, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                    HV, K, BT, BC, BKS, PREC, 8)
+        b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                      HV, K, BT, BC, BKS, PREC, 16)
     b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
     b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
     return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
