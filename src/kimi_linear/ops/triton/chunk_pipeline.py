@@ -439,9 +439,7 @@ def chunk_kda_bwd_pipeline(
                  PREC=p.prec_exact,
                  num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     BKs = min(cfg.bwd_sep_bk, p.BK)
-    # separable chunks and (16-bit inputs, as in the forward) those bounded per sub-block whole (PATH 1), then the
-    # others by sub-blocks (PATH 2)
-    intra.update(HALVES=p.prec == "tf32")
+    # separable chunks whole (PATH 1), then the others by sub-blocks (PATH 2)
     chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
         PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
     chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, **intra)
