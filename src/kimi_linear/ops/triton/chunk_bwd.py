@@ -35,10 +35,13 @@ from .chunk_common import (
     cast,
     chunk_coords,
     chunk_gate_terms,
+    chunk_kind,
     chunk_separable,
     earlier_factor,
     fast_exp,
+    gate_tiles,
     grid_coords,
+    halves_exponents,
     later_factor,
     level_factor,
     level_pairs,
@@ -254,13 +257,14 @@ def chunk_kda_bwd_intra_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PATH: tl.constexpr,
+    PATH: tl.constexpr, HALVES: tl.constexpr,
 ):
     """The score matrices' gradients, per (key block, value head) and ``PATH``: 1, one program per chunk for the
     chunks :func:`chunk_separable` accepts (:func:`separable_grads`); 2, one program per chunk and sub-block S for
-    the other chunks (the rows of S, :func:`sub_block_grads`). Sub-blocks run in parallel; the reverse cumulative
-    sum of dG across them is :func:`chunk_kda_bwd_gate_kernel`'s. (Every chunk by sub-blocks: 5.08 ms against
-    3.32 at 16 x 2048 lower_bound on the H200.)"""
+    the others (the rows of S, :func:`sub_block_grads`) but, with ``HALVES``, those bounded per sub-block, which
+    :func:`chunk_kda_bwd_halves_kernel` takes. Sub-blocks run in parallel; the reverse cumulative sum of dG
+    across them is :func:`chunk_kda_bwd_gate_kernel`'s. (Every chunk by sub-blocks: 5.08 ms against 3.32 at
+    16 x 2048 lower_bound on the H200.)"""
     NC: tl.constexpr = BT // BC
     i_cs, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
     if PATH == 1:
@@ -270,15 +274,58 @@ def chunk_kda_bwd_intra_kernel(
     i_h = i_hv // (HV // H)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
     if PATH == 1:
-        if sep:
+        if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
             separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
                             H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
     else:
-        if not sep:
+        sep, bounded = chunk_kind(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
+        if not sep and not (bounded and HALVES):
             sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
                             H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+
+
+@triton.jit
+def chunk_kda_halves_list_kernel(
+    gP, halves, count,                # in; out: [NT * HV] int32 list, [1] int32 its length (zero on entry)
+    cu_seqlens, chunk_indices,
+    T, NT,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """Lists ``i_c * HV + i_hv`` for every chunk and value head whose score gradients go by halves (bounded per
+    sub-block but not separable: chunk_common.chunk_kind), in any order (each entry's work writes its own rows)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    sep, bounded = chunk_kind(gP, bos, i_t * BT, T_n, i_hv, HV, K, BKA, BC)
+    if bounded and not sep:
+        tl.store(halves + tl.atomic_add(count, 1), i_c * HV + i_hv)
+
+
+@triton.jit
+def chunk_kda_bwd_halves_kernel(
+    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p,   # as chunk_kda_bwd_intra_kernel's
+    halves, count,                                    # chunk_kda_halves_list_kernel's list and its length
+    cu_seqlens, chunk_indices,
+    T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """The score gradients by halves (:func:`halves_grads`) of the listed chunks, key block by key block, by a
+    fixed number of programs looping over the list: where no chunk needs them the launch costs its few programs.
+    (H200, 16 x 2048: a launch over every chunk whose programs mostly returned at once cost 0.3-0.4 ms where no
+    chunk needs them, since 255 registers and 64 KB of shared memory let few programs share an SM; the halves
+    compiled into the separable launch slowed the separable chunks by 0.2 ms.) :func:`halves_grads` is a call of
+    its own (``noinline``): inlined into this loop it spilled 608 B a thread and took 5.7 ms for K3's saturated
+    gates, against 3.9 as a call (112 B)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    n = tl.load(count) * NK
+    for it in range(tl.program_id(0), n, tl.num_programs(0)):
+        e = tl.load(halves + it // NK)
+        i_c, i_hv = e // HV, e % HV
+        _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+        halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK, i_hv // (HV // H),
+                     i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
 @triton.jit
@@ -383,6 +430,74 @@ def separable_grads(
     b_dkc = (b_dkc + mm(tl.trans(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False)), b_k * b_E, PREC)) * b_iE
     b_dG -= b_k * b_dkc
     b_dk += b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+
+
+@triton.jit(noinline=True)
+def halves_grads(
+    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """The score gradients of a chunk that is not separable but whose gate falls by less than HALF_LIMIT over every
+    16-row sub-block (chunk_common.sub_blocks_bounded), all 64 rows at once (key block i_k), by the factorisation
+    of the forward's scores by halves (chunk_wy.halves_scores; D and X: chunk_common.halves_exponents). Each entry
+    of dA lies inside a 32-row half (``dA_h``: factors ``E = exp(D)`` on rows, ``1 / E`` on columns) or across them
+    (``dA_x``, rows 32-63 and columns 0-31: ``F = exp(X)`` on both, <= 1), so each product of
+    :func:`separable_grads` becomes two, dA masked to one part:
+
+        dq = E (dAq_h (k / E)) + F (dAq_x (k F))          dk_rows: the same with dAk
+        dk_cols = (dAq_h^T (q E) + dAk_h^T (k E)) / E + F (dAq_x^T (q F) + dAk_x^T (k F))
+        dG = q dq + k (dk_rows - dk_cols)
+
+    eight [BT, BT] x [BT, BK] products in one program, where the sub-block scheme takes four programs a chunk (each
+    loading the chunk's rows again) and, on sub-blocks past -SAFE_EXP, the diagonal levels. Aqk's diagonal is added
+    in float32 beside the products, as in :func:`separable_grads`; dG is formed from the rounded operands."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                          # [BT, 1] sub-block of each row
+    m_x = (s_r >= 2) & (o_t < 2 * BC)[None, :]                          # [BT, BT] across the halves
+    b_P, b_t0, b_t1, b_t2, _ = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)
+    b_D, b_X = halves_exponents(b_P, b_t0, b_t1, b_t2, s_r)             # [BT, BK] x2
+    b_E = fast_exp(b_D)
+    b_iE = fast_exp(-b_D)
+    b_F = fast_exp(b_X)
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2
+    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BK]
+    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
+    b_d = tl.load(dAqk + ((bos + t0 + o_t) * HV + i_hv) * BT + o_t, mask=t0 + o_t < T_n, other=0.0)   # [BT]
+    # The operands rounded once (PREC), and dG formed from them, so that each pair's row share and column share
+    # of dG are the same real number and cancel up to float32 accumulation (as diagonal_level_grads does; from
+    # q dq, bf16 dA_log was 4.5e-2 off the float64 reference in test_score_gradients_by_halves). dq's products,
+    # then dk's rows, then the columns, dA loaded for each and the rounded operands formed again where needed
+    # (the same numbers), so that few [BT, BK] tiles stay live.
+    b_kc = tf32_operand(b_k * b_iE, PREC)                               # [BT, BK] same-half columns
+    b_kF = tf32_operand(b_k * b_F, PREC)                                # [BT, BK] columns (and rows) across
+    b_dA = tf32_operand(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), PREC)    # [BT, BT]
+    b_rh = mm_rounded(tl.where(m_x, 0.0, b_dA), b_kc, tl.zeros_like(b_kc), PREC)      # [BT, BK] dAq_h (k / E)
+    b_rx = mm_rounded(tl.where(m_x, b_dA, 0.0), b_kF, tl.zeros_like(b_kc), PREC)      # dAq_x (k F)
+    b_dG = (tf32_operand(b_q * b_E, PREC) * b_rh + tf32_operand(b_q * b_F, PREC) * b_rx
+            + load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT))
+    b_dq = b_E * b_rh + b_F * b_rx + b_d[:, None] * b_k + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    store_rows(dq_p, b_dq, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    b_dA = tf32_operand(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), PREC)
+    b_rh = mm_rounded(tl.where(m_x, 0.0, b_dA), b_kc, tl.zeros_like(b_kc), PREC)      # dAk_h (k / E)
+    b_rx = mm_rounded(tl.where(m_x, b_dA, 0.0), b_kF, tl.zeros_like(b_kc), PREC)      # dAk_x (k F)
+    b_dG += tf32_operand(b_k * b_E, PREC) * b_rh + b_kF * b_rx
+    b_dk = b_E * b_rh + b_F * b_rx + b_d[:, None] * b_q
+    m_xt = tl.trans(m_x)
+    b_dAq = tl.trans(tf32_operand(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), PREC))   # [BT, BT] dAq^T
+    b_dAk = tl.trans(tf32_operand(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), PREC))
+    b_qE = tf32_operand(b_q * b_E, PREC)
+    b_kE = tf32_operand(b_k * b_E, PREC)
+    b_rh = mm_rounded(tl.where(m_xt, 0.0, b_dAk), b_kE, mm_rounded(tl.where(m_xt, 0.0, b_dAq), b_qE,
+                                                                    tl.zeros_like(b_kc), PREC), PREC)
+    b_qF = tf32_operand(b_q * b_F, PREC)
+    b_rx = mm_rounded(tl.where(m_xt, b_dAk, 0.0), b_kF, mm_rounded(tl.where(m_xt, b_dAq, 0.0), b_qF,
+                                                                    tl.zeros_like(b_kc), PREC), PREC)
+    b_dG -= b_kc * b_rh + b_kF * b_rx
+    b_dk += b_iE * b_rh + b_F * b_rx + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 

@@ -326,9 +326,29 @@ def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, B
     per channel step (chunk_wy.separable_scores; their gradients: chunk_bwd.py). ``R = G_31``: the gate of every
     channel falls by less than HALF_LIMIT over each 32-row half. (R at each channel's midpoint, allowing a fall of
     2 HALF_LIMIT over the chunk, was no faster on the H200: scores 1.58 against 1.59 ms.)"""
-    o_k = tl.arange(0, BK)
-    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
+    return halves_fall_little(b_t0, b_t1, b_t2, b_t3)
+
+
+@triton.jit
+def halves_fall_little(b_t0, b_t1, b_t2, b_t3):
+    """:func:`chunk_separable`'s test on the chunk's four sub-block totals ([BK] each)."""
     return tl.max(tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3))) < HALF_LIMIT
+
+
+@triton.jit
+def sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3):
+    """:func:`sub_blocks_bounded`'s test on the chunk's four sub-block totals ([BK] each)."""
+    return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < HALF_LIMIT
+
+
+@triton.jit
+def chunk_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+    """(:func:`chunk_separable`, :func:`sub_blocks_bounded`) of the chunk at t0 from one load of its sub-block
+    totals (each of the two loads them on its own: in the score gradients' launches, whose programs all ask both,
+    the second load cost 0.3-0.4 ms at 16 x 2048 on the H200)."""
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
+    return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
 
 
 @triton.jit
@@ -337,9 +357,8 @@ def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
     """Whether the gate of every channel falls by less than HALF_LIMIT over each 16-row sub-block of the chunk at t0:
     then its scores split into one product per 32-row half around a row of that half and one product across the
     halves through row 31 (chunk_wy.halves_scores), every factor a normal float32 number."""
-    o_k = tl.arange(0, BK)
-    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
-    return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < HALF_LIMIT
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
+    return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
 
 
 @triton.jit
@@ -360,6 +379,21 @@ def separable_offset(b_P, b_t0, b_t1, b_t2, s_r):
     sub-blocks 0-2 ([BKS] each)."""
     return (b_P + tl.where(s_r == 3, b_t2[None, :], tl.where(s_r == 2, 0.0, -b_t1[None, :]))
             - tl.where(s_r == 0, b_t0[None, :], 0.0))
+
+
+@triton.jit
+def halves_exponents(b_P, b_t0, b_t1, b_t2, s_r):
+    """The exponents of the scores by halves (chunk_wy.halves_scores, chunk_bwd.halves_grads) from the chunk's gP
+    tile ([BT, BKS]) and the totals of sub-blocks 0-2 ([BKS] each); ``s_r``: [BT, 1], each row's sub-block.
+
+    * ``D = G - R``, R the last row of the first sub-block of the row's half (row 15 or 47): ``gP - tot`` on
+      sub-blocks 0 and 2, ``gP`` on 1 and 3; |D| < HALF_LIMIT on a chunk :func:`sub_blocks_bounded` accepts;
+    * ``X``, the factors across the halves through row 31: ``G - G_31`` on half 1, ``G_31 - G`` on half 0 (the
+      columns of those products), <= 0 everywhere."""
+    b_D = b_P - tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 2, b_t2[None, :], 0.0))
+    b_X = tl.where(s_r == 0, (b_t0 + b_t1)[None, :] - b_P, tl.where(s_r == 1, b_t1[None, :] - b_P,
+                   b_P + tl.where(s_r == 3, b_t2[None, :], 0.0)))
+    return b_D, b_X
 
 
 @triton.jit

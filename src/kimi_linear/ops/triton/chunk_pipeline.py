@@ -29,15 +29,18 @@ import triton
 from ..gate import KernelOptions
 from .chunk_bwd import (
     chunk_kda_bwd_gate_kernel,
+    chunk_kda_bwd_halves_kernel,
     chunk_kda_bwd_inter_kernel,
     chunk_kda_bwd_intra_kernel,
     chunk_kda_bwd_qk_kernel,
     chunk_kda_bwd_wy_kernel,
+    chunk_kda_halves_list_kernel,
 )
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+from .mla_decode import num_sms
 from .tma import tensor_descriptor_class, tma_supported
 
 
@@ -100,6 +103,9 @@ class LaunchConfig:
     # against 5.08 by sub-blocks
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
+    # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_halves_kernel, looping over the
+    # chunks that need them; 255 registers at 4 warps fit two an SM)
+    bwd_halves_per_sm: int = 2
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -439,10 +445,22 @@ def chunk_kda_bwd_pipeline(
                  PREC=p.prec_exact,
                  num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     BKs = min(cfg.bwd_sep_bk, p.BK)
-    # separable chunks whole (PATH 1), then the others by sub-blocks (PATH 2)
+    # Separable chunks whole (PATH 1); with 16-bit inputs (as in the forward) the chunks bounded per sub-block
+    # whole by halves, over a list of them built on the device (its length never goes to the host); the others by
+    # sub-blocks (PATH 2)
+    by_halves = p.prec == "tf32"
     chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
-        PATH=1, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
-    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, **intra)
+        PATH=1, HALVES=by_halves, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
+    if by_halves:
+        count = torch.zeros(1, dtype=torch.int32, device=q.device)
+        halves = torch.empty(p.NT * HV, dtype=torch.int32, device=q.device)
+        chunk_kda_halves_list_kernel[(p.NT, HV)](gP=x.gP, halves=halves, count=count, **p.varlen(), T=T,
+                                                 NT=p.NT_seq, HV=HV, K=K, BT=BT, BC=BC, BKA=p.BK, IS_VARLEN=IS_VARLEN)
+        chunk_kda_bwd_halves_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
+            **{n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, halves=halves, count=count,
+            BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, HALVES=by_halves,
+                                                                                    **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None

@@ -39,6 +39,7 @@ from .chunk_common import (
     fast_exp,
     gate_terms,
     grid_coords,
+    halves_exponents,
     level_factor,
     level_pairs,
     load_beta,
@@ -305,10 +306,7 @@ def halves_scores(
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)           # [BT, BKS]
         b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
-        b_D = b_P - tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 2, b_t2[None, :], 0.0))   # [BT, BKS]
-        # G - G_31, negated on half 0 (those rows are columns of the cross product): <= 0 everywhere
-        b_X = tl.where(s_r == 0, (b_t0 + b_t1)[None, :] - b_P, tl.where(s_r == 1, b_t1[None, :] - b_P,
-                       b_P + tl.where(s_r == 3, b_t2[None, :], 0.0)))
+        b_D, b_X = halves_exponents(b_P, b_t0, b_t1, b_t2, s_r)                # [BT, BKS] x2
         b_eD = fast_exp(b_D)
         b_eX = fast_exp(b_X)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
