@@ -919,6 +919,9 @@ def main() -> int:
                    help="the sweep's inputs: a shape 'BxT' (default: the first benchmark shape) and/or 'lb' for the "
                         "lower_bound gate, e.g. '1x32768 lb'")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="BxT",
+                   help="the benchmark and check shapes instead of 16x2048 and 1x32768, e.g. --shapes 1x32768 (a "
+                        "call too short for the whole grid)")
     p.add_argument("--head-dim", type=int, default=0,
                    help="K = V of every shape (default 128; e.g. 256 with --offline-sm90 for its shared memory)")
     p.add_argument("--sass-dir", default="", help="with --offline-sm90: write each kernel's SASS here (NAME.N.sass)")
@@ -933,6 +936,12 @@ def main() -> int:
     S, OUT, BUDGET, NO_BACKWARD, NO_FLA = Setup(a.smoke), a.out, a.budget, a.no_backward, a.no_fla
     if a.head_dim:
         S.D = a.head_dim
+    if a.shapes:
+        try:
+            S.shapes = tuple(tuple(int(n) for n in shape.lower().split("x")) for shape in a.shapes)
+            assert all(len(shape) == 2 and min(shape) > 0 for shape in S.shapes)
+        except (ValueError, AssertionError):
+            p.error(f"--shapes takes positive BxT pairs such as 1x32768, got {' '.join(a.shapes)}")
     SASS_DIR, SASS_KERNEL = a.sass_dir, a.kernel
     os.makedirs(OUT, exist_ok=True)
     if a.config:
