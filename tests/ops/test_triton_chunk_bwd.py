@@ -282,13 +282,15 @@ def test_strong_decay_gradients(case, dtype, monkeypatch):
     assert calls, "the strong path was not taken"
 
 
+@pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_score_gradients_by_halves(dtype, monkeypatch):
+def test_score_gradients_by_halves(dtype, varlen, monkeypatch):
     """K3's bounded gate near saturation (in-kernel ``lower_bound = -5`` with dt_bias ~ 1.5: about -3.9 a step): no
     full chunk is separable (a 32-row half falls by ~125), every 16-row sub-block falls by less than 80 (the
     bound), so in bf16 the score gradients of the full chunks take chunk_bwd.halves_grads (counted) and never the
     sub-block scheme (float32 inputs keep the sub-block scheme, as their forward does); length 200 (the partial
-    last chunk is separable), GVA, initial state. Every gradient, dA_log and ddt_bias included, against the
+    last chunk is separable), GVA, initial state; or the same 200 tokens as sequences of 70 and 130 (again three
+    full chunks, listed through the varlen chunk indices). Every gradient, dA_log and ddt_bias included, against the
     float64 reference at the file's bars. (This input's A_log gradient is small beside its terms, so its relative
     error is the largest of the file's bf16 cases: 1.9e-2 here, 2.3e-2 by the sub-block scheme; with float32
     intermediates, LaunchConfig(store="float32"), 9.9e-3.)"""
@@ -296,11 +298,12 @@ def test_score_gradients_by_halves(dtype, monkeypatch):
 
     halves = spy_calls(monkeypatch, chunk_bwd, "halves_grads")
     sub_blocks = spy_calls(monkeypatch, chunk_bwd, "sub_block_grads")
-    x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=80)
+    x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, N=2 if varlen else None, raw=True, dtype=dtype, seed=80)
     gen = torch.Generator().manual_seed(81)
     params = dict(A_log=0.1 * torch.randn(2, generator=gen), dt_bias=1.5 + 0.3 * torch.randn(64, generator=gen))
     opts = KernelOptions(True, True, True, False, params["A_log"], params["dt_bias"], -5.0)
-    check(x, opts, params, bar=1e-4 if dtype == torch.float32 else 2e-2)
+    check(x, opts, params, bar=1e-4 if dtype == torch.float32 else 2e-2,
+          cu_seqlens=torch.tensor([0, 70, 200]) if varlen else None)
     if dtype == torch.bfloat16:
         assert len(halves) == 3 * 2, halves        # three full chunks, two value heads, one key block
         assert not sub_blocks
