@@ -460,9 +460,8 @@ def chunk_kda_bwd_pipeline(
         chunk_kda_bwd_halves_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
             **{n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, halves=halves, count=count,
             BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
-    else:
-        chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, HALVES=by_halves,
-                                                                                        **intra)
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, HALVES=by_halves,
+                                                                                    **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
