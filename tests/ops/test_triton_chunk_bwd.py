@@ -257,18 +257,18 @@ def test_float16_gate_parameter_gradients_masked_gates():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["softplus A_log~log U(1,16)", "mixed channels varlen", "-1000 padding"])
 def test_strong_decay_gradients(case, dtype, monkeypatch):
-    """Gradients of every input (dq, dk, dv, dbeta, dg, the initial state; dA_log and ddt_bias through the in-kernel
-    softplus gate with A_log = log U(1, 16), about -6.7 a step) in the strong-decay regime of issue 20, where the
-    diagonal blocks' score gradients must take the reference-row levels (chunk_common.level_factor, counted:
-    chunk_bwd.chunk_grads for 16-bit inputs, diagonal_level_grads for float32). Mild and strong channels and -1000 steps
-    in the same chunks, packed sequences of 70 and 130 tokens and an empty one; -1000 on every 7th step and 0 on every
-    5th. Float32 bar 1e-4, bf16 2e-2 (the file's), and 6e-3 for bf16 dA_log and ddt_bias: they sum dG over every token,
-    weighted by gates of about -6.7, so the diagonal blocks' row and column shares of dG must cancel pair by pair
-    (chunk_bwd.diagonal_level_grads forms them from the same rounded operands). Taken as q dq + k (dk_rows - dk_cols)
-    from the tf32 products, they were 1.3e-2 and 6.8e-3 off here; 2.1e-3 and 3.4e-3 as they are."""
+    """Gradients of every input (dq, dk, dv, dbeta, dg, the initial state; dA_log and ddt_bias through the
+    in-kernel softplus gate with A_log = log U(1, 16), about -6.7 a step) in the strong-decay regime of issue 20,
+    where the diagonal blocks' score gradients must take the reference-row levels (chunk_bwd.diagonal_level_grads,
+    counted). Mild and strong channels and -1000 steps in the same chunks, packed sequences of 70 and 130 tokens
+    and an empty one; -1000 on every 7th step and 0 on every 5th. Float32 bar 1e-4, bf16 2e-2 (the file's), and
+    6e-3 for bf16 dA_log and ddt_bias: they sum dG over every token, weighted by gates of about -6.7, so the
+    diagonal blocks' row and column shares of dG must cancel pair by pair (chunk_bwd.diagonal_level_grads forms
+    them from the same rounded operands). Taken as q dq + k (dk_rows - dk_cols) from the tf32 products, they were
+    1.3e-2 and 6.8e-3 off here; 2.1e-3 and 3.4e-3 as they are."""
     from kimi_linear.ops.triton import chunk_bwd
 
-    calls = spy_calls(monkeypatch, chunk_bwd, "level_factor")
+    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
     bar = 1e-4 if dtype == torch.float32 else 2e-2
     if case.startswith("softplus"):
         opts, params = strong_gate(2, 32, seed=71)
@@ -321,7 +321,7 @@ def test_reference_row_level_gradients_on_every_diagonal_block(dtype, monkeypatc
     from kimi_linear.ops.triton import chunk_bwd
 
     force_levels(monkeypatch)
-    calls = spy_calls(monkeypatch, chunk_bwd, "level_factor")
+    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
     x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=75)
     gen = torch.Generator().manual_seed(76)
     params = dict(A_log=torch.empty(2).uniform_(3, 5, generator=gen).log(),

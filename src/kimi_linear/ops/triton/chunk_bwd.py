@@ -287,57 +287,45 @@ def chunk_kda_bwd_intra_kernel(
 
 @triton.jit
 def chunk_kda_halves_list_kernel(
-    gP, halves, count,                # in; out: [L] int32 lists, [2] int32 their lengths (zero on entry)
+    gP, halves, count,                # in; out: [NT * HV] int32 list, [1] int32 its length (zero on entry)
     cu_seqlens, chunk_indices,
-    T, NT, L,
+    T, NT,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    """Lists ``i_c * HV + i_hv`` for every chunk and value head that is not separable (chunk_common.chunk_kind):
-    from the front of ``halves`` those bounded per sub-block (by halves, count[0]), from its back the others (the
-    whole-chunk sub-block scheme, count[1]); in any order (each entry's work writes its own rows)."""
+    """Lists ``i_c * HV + i_hv`` for every chunk and value head whose score gradients go by halves (bounded per
+    sub-block but not separable: chunk_common.chunk_kind), in any order (each entry's work writes its own rows)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     sep, bounded = chunk_kind(gP, bos, i_t * BT, T_n, i_hv, HV, K, BKA, BC)
-    if not sep:
-        if bounded:
-            tl.store(halves + tl.atomic_add(count, 1), i_c * HV + i_hv)
-        else:
-            tl.store(halves + (L - 1 - tl.atomic_add(count + 1, 1)), i_c * HV + i_hv)
+    if bounded and not sep:
+        tl.store(halves + tl.atomic_add(count, 1), i_c * HV + i_hv)
 
 
 @triton.jit
 def chunk_kda_bwd_halves_kernel(
     q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p,   # as chunk_kda_bwd_intra_kernel's
-    halves, count,                                    # chunk_kda_halves_list_kernel's lists and their lengths
+    halves, count,                                    # chunk_kda_halves_list_kernel's list and its length
     cu_seqlens, chunk_indices,
-    T, NT, L,
+    T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, WHOLE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The score gradients by halves (:func:`halves_grads`) of the chunks listed at the front, or (``WHOLE``) by
-    the whole-chunk sub-block scheme (:func:`chunk_grads`) of those listed at the back, key block by key block, by
-    a fixed number of programs looping over the list: where no chunk needs them the launch costs its few programs.
+    """The score gradients by halves (:func:`halves_grads`) of the listed chunks, key block by key block, by a
+    fixed number of programs looping over the list: where no chunk needs them the launch costs its few programs.
     (H200, 16 x 2048: a launch over every chunk whose programs mostly returned at once cost 0.3-0.4 ms where no
     chunk needs them, since 255 registers and 64 KB of shared memory let few programs share an SM; the halves
-    compiled into the separable launch slowed the separable chunks by 0.2 ms.) The work is a call of its own
-    (``noinline``): :func:`halves_grads` inlined into this loop spilled 608 B a thread and took 5.7 ms for K3's
-    saturated gates, against 3.9 as a call (112 B)."""
+    compiled into the separable launch slowed the separable chunks by 0.2 ms.) :func:`halves_grads` is a call of
+    its own (``noinline``): inlined into this loop it spilled 608 B a thread and took 5.7 ms for K3's saturated
+    gates, against 3.9 as a call (112 B)."""
     NK: tl.constexpr = (K + BK - 1) // BK
-    n = tl.load(count + WHOLE) * NK
+    n = tl.load(count) * NK
     for it in range(tl.program_id(0), n, tl.num_programs(0)):
-        if WHOLE:
-            e = tl.load(halves + (L - 1 - it // NK))
-        else:
-            e = tl.load(halves + it // NK)
+        e = tl.load(halves + it // NK)
         i_c, i_hv = e // HV, e % HV
         _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        if WHOLE:
-            chunk_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
-                        i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
-        else:
-            halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
-                         i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+        halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK, i_hv // (HV // H),
+                     i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
 @triton.jit
@@ -444,114 +432,6 @@ def separable_grads(
     b_dk += b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-
-
-@triton.jit
-def family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, b_a, b_b, m_f, dAqk, dAkk, bos, t0, T_n, i_hv,
-                 HV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    """The score gradients of one family of a chunk's pairs (mask ``m_f`` [BT, BT], inside the strict lower
-    triangle) whose decay factors split as ``exp(G_i - G_j) = a_i b_j`` (a, b [BT, BK], finite; only their rows in
-    the family matter), added to (dq, dk from rows, dk from columns, dG): with dA masked to the family and the
-    operands ``Qa = q a``, ``Ka = k a``, ``Kb = k b`` rounded once for PREC,
-
-        dq += a (dAq Kb)      dk_rows += a (dAk Kb)      dk_cols += b (dAq^T Qa + dAk^T Ka)
-        dG += Qa (dAq Kb) + Ka (dAk Kb) - Kb (dAq^T Qa + dAk^T Ka)
-
-    four [BT, BT] x [BT, BK] products; dG from the rounded operands, so each pair's row and column shares cancel
-    up to float32 accumulation (see :func:`halves_grads`)."""
-    # dq's product, then dk's rows, then the columns, one dA tile live at a time (each loaded again where needed)
-    # and the rounded operands formed again (the same numbers), so that few [BT, BK] tiles stay live
-    b_Kb = tf32_operand(b_k * b_b, PREC)
-    b_r = mm_rounded(tf32_operand(tl.where(m_f, load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), 0.0), PREC),
-                     b_Kb, tl.zeros_like(b_Kb), PREC)                            # [BT, BK] dAq Kb
-    b_dq += b_a * b_r
-    b_dG += tf32_operand(b_q * b_a, PREC) * b_r
-    b_r = mm_rounded(tf32_operand(tl.where(m_f, load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), 0.0), PREC),
-                     b_Kb, tl.zeros_like(b_Kb), PREC)                            # dAk Kb
-    b_dkr += b_a * b_r
-    b_dG += tf32_operand(b_k * b_a, PREC) * b_r
-    b_r = mm_rounded(tl.trans(tf32_operand(tl.where(m_f, load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), 0.0),
-                                           PREC)), tf32_operand(b_q * b_a, PREC), tl.zeros_like(b_Kb), PREC)
-    b_r = mm_rounded(tl.trans(tf32_operand(tl.where(m_f, load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), 0.0),
-                                           PREC)), tf32_operand(b_k * b_a, PREC), b_r, PREC)   # dAq^T Qa + dAk^T Ka
-    b_dkc += b_b * b_r
-    b_dG -= b_Kb * b_r
-    return b_dq, b_dkr, b_dkc, b_dG
-
-
-@triton.jit(noinline=True)
-def chunk_grads(
-    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-):
-    """The score gradients of a chunk that is neither separable nor bounded per sub-block (strong decay), all 64
-    rows at once (key block i_k), by the forward's sub-block scheme (chunk_wy.chunk_scores) as families of pairs
-    (:func:`family_grads`), every factor <= 1 or, on the diagonal blocks' fast path, a normal float32 number:
-
-    * half: rows 32-63 against columns 0-31, ``exp(G_i - G_31) exp(G_31 - G_j)``;
-    * quarter: sub-block 1 against 0 and 3 against 2, ``exp(gP_i) exp(tot_J - gP_j)``;
-    * the diagonal 16x16 blocks: ``exp(gP_i) exp(-gP_j)`` when every |gP| of the key block is below SAFE_EXP,
-      else the reference-row levels S = 16, 8, 4, 2 (chunk_common.level_factor, level_pairs).
-
-    One program per chunk where the sub-block scheme (:func:`sub_block_grads`) takes four, each loading the
-    chunk's rows again. Aqk's diagonal is added in float32 beside the products, as in :func:`separable_grads`."""
-    # 16 channels at a time: [BT, 16] tiles keep the four accumulators and the operands of a family in
-    # registers (offline sm_90, 32 at once: 1.9 KB of spills a thread)
-    BKC: tl.constexpr = 16
-    for c0 in tl.static_range(0, BK, BKC):
-        o_k = i_k * BK + c0 + tl.arange(0, BKC)
-        o_t = tl.arange(0, BT)
-        s = o_t // BC                                                       # [BT] sub-block of each row
-        s_r = s[:, None]
-        b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)
-        b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BKC]
-        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BKC]
-        b_d = tl.load(dAqk + ((bos + t0 + o_t) * HV + i_hv) * BT + o_t, mask=t0 + o_t < T_n, other=0.0)   # [BT]
-        b_dq = tl.zeros([BT, BKC], dtype=tl.float32)
-        b_dkr = tl.zeros([BT, BKC], dtype=tl.float32)
-        b_dkc = tl.zeros([BT, BKC], dtype=tl.float32)
-        b_dG = load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        # half: the cross factors of the scores by halves (G - G_31 on rows 32-63, G_31 - G on rows 0-31), <= 1
-        _, b_X = halves_exponents(b_P, b_t0, b_t1, b_t2, s_r)
-        b_F = fast_exp(b_X)
-        b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, b_F, b_F,
-                                                (s_r >= 2) & (s < 2)[None, :], dAqk, dAkk, bos, t0, T_n, i_hv,
-                                                HV, BT, PREC)
-        # quarter: through the last row of the column's sub-block
-        b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
-                         tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))           # [BT, BKC] tot of the row's block
-        b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, fast_exp(b_P),
-                                                fast_exp(b_own - b_P), ((s_r % 2) == 1) & (s[None, :] == s_r - 1),
-                                                dAqk, dAkk, bos, t0, T_n, i_hv, HV, BT, PREC)
-        # the diagonal blocks
-        if tl.max(tl.abs(b_P)) < SAFE_EXP:
-            m_d = (s[None, :] == s_r) & (o_t[:, None] > o_t[None, :])
-            b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, fast_exp(b_P), fast_exp(-b_P),
-                                                    m_d, dAqk, dAkk, bos, t0, T_n, i_hv, HV, BT, PREC)
-        else:
-            b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, 16, BT)
-            b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, b_f, b_f,
-                                                    level_pairs(o_t, o_t, 16), dAqk, dAkk, bos, t0, T_n, i_hv,
-                                                    HV, BT, PREC)
-            b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, 8, BT)
-            b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, b_f, b_f,
-                                                    level_pairs(o_t, o_t, 8), dAqk, dAkk, bos, t0, T_n, i_hv,
-                                                    HV, BT, PREC)
-            b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, 4, BT)
-            b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, b_f, b_f,
-                                                    level_pairs(o_t, o_t, 4), dAqk, dAkk, bos, t0, T_n, i_hv,
-                                                    HV, BT, PREC)
-            b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, 2, BT)
-            b_dq, b_dkr, b_dkc, b_dG = family_grads(b_dq, b_dkr, b_dkc, b_dG, b_q, b_k, b_f, b_f,
-                                                    level_pairs(o_t, o_t, 2), dAqk, dAkk, bos, t0, T_n, i_hv,
-                                                    HV, BT, PREC)
-        b_dq += b_d[:, None] * b_k + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(dq_p, b_dq, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        b_dk = b_dkr + b_dkc + b_d[:, None] * b_q + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 
 @triton.jit(noinline=True)

@@ -107,10 +107,6 @@ class LaunchConfig:
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
     bwd_halves_per_sm: int = 2
-    # The same for the strong-decay chunks' whole-chunk sub-block scheme (chunk_bwd.chunk_grads): offline sm_90,
-    # 255 registers and 1.2 KB of stack a thread at 4 warps, 520 B at 8 (one program an SM). Not timed
-    bwd_whole_per_sm: int = 2
-    bwd_whole_warps: int = 4
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -457,21 +453,15 @@ def chunk_kda_bwd_pipeline(
     chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
         PATH=1, HALVES=by_halves, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
     if by_halves:
-        count = torch.zeros(2, dtype=torch.int32, device=q.device)
-        L = p.NT * HV
-        halves = torch.empty(L, dtype=torch.int32, device=q.device)
+        count = torch.zeros(1, dtype=torch.int32, device=q.device)
+        halves = torch.empty(p.NT * HV, dtype=torch.int32, device=q.device)
         chunk_kda_halves_list_kernel[(p.NT, HV)](gP=x.gP, halves=halves, count=count, **p.varlen(), T=T,
-                                                 NT=p.NT_seq, L=L, HV=HV, K=K, BT=BT, BC=BC, BKA=p.BK,
-                                                 IS_VARLEN=IS_VARLEN)
-        listed = dict({n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, halves=halves,
-                      count=count, L=L, BK=BKs, num_stages=1)
+                                                 NT=p.NT_seq, HV=HV, K=K, BT=BT, BC=BC, BKA=p.BK, IS_VARLEN=IS_VARLEN)
         chunk_kda_bwd_halves_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
-            WHOLE=False, num_warps=cfg.bwd_sep_warps, **listed)
-        chunk_kda_bwd_halves_kernel[(cfg.bwd_whole_per_sm * num_sms(q.device),)](
-            WHOLE=True, num_warps=cfg.bwd_whole_warps, **listed)
-    else:
-        chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, HALVES=by_halves,
-                                                                                        **intra)
+            **{n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, halves=halves, count=count,
+            BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, HALVES=by_halves,
+                                                                                    **intra)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
