@@ -382,6 +382,13 @@ def sub_block_grads(
 
 
 @triton.jit
+def load_diagonal(p, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr):
+    """The diagonal of a chunk's [BT, BT] score gradient ([BT]; zero past T_n)."""
+    o_t = tl.arange(0, BT)
+    return tl.load(p + ((bos + t0 + o_t) * HV + i_hv) * BT + o_t, mask=t0 + o_t < T_n, other=0.0)
+
+
+@triton.jit
 def load_lower(p, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, DIAGONAL: tl.constexpr):
     """A chunk's [BT, BT] score gradient, zero above the diagonal (and on it unless ``DIAGONAL``)."""
     o_t = tl.arange(0, BT)
@@ -418,7 +425,7 @@ def separable_grads(
     b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
     # rows (dq, dk from Akk's rows), then columns (dk from both matrices' columns), dA loaded for each: the
     # two phases never hold more than two [BT, BT] tiles
-    b_d = tl.load(dAqk + ((bos + t0 + o_t) * HV + i_hv) * BT + o_t, mask=t0 + o_t < T_n, other=0.0)   # [BT]
+    b_d = load_diagonal(dAqk, bos, t0, T_n, i_hv, HV, BT)                # [BT] Aqk's diagonal
     b_kc = b_k * b_iE                                                   # [BT, BK] the columns' operand
     b_dq = mm(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), b_kc, PREC) * b_E
     b_dk = mm(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), b_kc, PREC) * b_E
@@ -466,7 +473,7 @@ def halves_grads(
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2
     b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BK]
     b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
-    b_d = tl.load(dAqk + ((bos + t0 + o_t) * HV + i_hv) * BT + o_t, mask=t0 + o_t < T_n, other=0.0)   # [BT]
+    b_d = load_diagonal(dAqk, bos, t0, T_n, i_hv, HV, BT)                # [BT] Aqk's diagonal
     # The operands rounded once (PREC), and dG formed from them, so that each pair's row share and column share
     # of dG are the same real number and cancel up to float32 accumulation (as diagonal_level_grads does; from
     # q dq, bf16 dA_log was 4.5e-2 off the float64 reference in test_score_gradients_by_halves). dq's products,
