@@ -939,8 +939,9 @@ def main() -> int:
     if a.shapes:
         try:
             S.shapes = tuple(tuple(int(n) for n in shape.lower().split("x")) for shape in a.shapes)
-            assert all(len(shape) == 2 and min(shape) > 0 for shape in S.shapes)
-        except (ValueError, AssertionError):
+        except ValueError:
+            S.shapes = ()
+        if not S.shapes or any(len(shape) != 2 or min(shape) <= 0 for shape in S.shapes):
             p.error(f"--shapes takes positive BxT pairs such as 1x32768, got {' '.join(a.shapes)}")
     SASS_DIR, SASS_KERNEL = a.sass_dir, a.kernel
     os.makedirs(OUT, exist_ok=True)
