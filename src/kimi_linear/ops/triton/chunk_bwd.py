@@ -257,78 +257,74 @@ def chunk_kda_bwd_intra_kernel(
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    PATH: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """The score matrices' gradients, per (key block, value head) and ``PATH``: 1, one program per chunk for the
-    chunks :func:`chunk_separable` accepts (:func:`separable_grads`); 2, one program per chunk and sub-block S for
-    the others (the rows of S, :func:`sub_block_grads`) but, with ``HALVES``, those bounded per sub-block, which
-    :func:`chunk_kda_bwd_halves_kernel` takes. Sub-blocks run in parallel; the reverse cumulative sum of dG
-    across them is :func:`chunk_kda_bwd_gate_kernel`'s. (Every chunk by sub-blocks: 5.08 ms against 3.32 at
-    16 x 2048 lower_bound on the H200.)"""
-    NC: tl.constexpr = BT // BC
-    i_cs, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
-    if PATH == 1:
-        i_c, S = i_cs, 0
-    else:
-        i_c, S = i_cs // NC, i_cs % NC
-    i_h = i_hv // (HV // H)
+    """The score matrices' gradients of the chunks :func:`chunk_separable` accepts, one program per chunk, key
+    block and value head (:func:`separable_grads`); the other chunks are listed (:func:`chunk_kda_bwd_list_kernel`)
+    and taken by :func:`chunk_kda_bwd_listed_kernel`."""
+    i_c, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if PATH == 1:
-        if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
-            separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
-                            H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
-    else:
-        sep, bounded = chunk_kind(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
-        if not sep and not (bounded and HALVES):
-            sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
-                            H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+    if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
+        separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_hv // (HV // H), i_hv,
+                        H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
 @triton.jit
-def chunk_kda_halves_list_kernel(
-    gP, halves, count,                # in; out: [NT * HV] int32 list, [1] int32 its length (zero on entry)
+def chunk_kda_bwd_list_kernel(
+    gP, chunks, count,                # in; out: [L] int32 lists, [2] int32 their lengths (zero on entry)
     cu_seqlens, chunk_indices,
-    T, NT,
+    T, NT, L,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """Lists ``i_c * HV + i_hv`` for every chunk and value head whose score gradients go by halves (bounded per
-    sub-block but not separable: chunk_common.chunk_kind), in any order (each entry's work writes its own rows)."""
+    """Lists ``i_c * HV + i_hv`` for every chunk and value head that is not separable (chunk_common.chunk_kind):
+    with ``HALVES``, those bounded per sub-block from the front of ``chunks`` (count[0]); the others from its back
+    (count[1]); in any order (each entry's work writes its own rows)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     sep, bounded = chunk_kind(gP, bos, i_t * BT, T_n, i_hv, HV, K, BKA, BC)
-    if bounded and not sep:
-        tl.store(halves + tl.atomic_add(count, 1), i_c * HV + i_hv)
+    if not sep:
+        if bounded and HALVES:
+            tl.store(chunks + tl.atomic_add(count, 1), i_c * HV + i_hv)
+        else:
+            tl.store(chunks + (L - 1 - tl.atomic_add(count + 1, 1)), i_c * HV + i_hv)
 
 
 @triton.jit
-def chunk_kda_bwd_halves_kernel(
+def chunk_kda_bwd_listed_kernel(
     q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p,   # as chunk_kda_bwd_intra_kernel's
-    halves, count,                                    # chunk_kda_halves_list_kernel's list and its length
+    chunks, count,                                    # chunk_kda_bwd_list_kernel's lists and their lengths
     cu_seqlens, chunk_indices,
-    T, NT,
+    T, NT, L,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, SUB: tl.constexpr,
 ):
-    """The score gradients by halves (:func:`halves_grads`) of the listed chunks, key block by key block, by a
-    fixed number of programs looping over the list: where no chunk needs them the launch costs its few programs.
-    (H200, 16 x 2048: a launch over every chunk whose programs mostly returned at once cost 0.3-0.4 ms where no
-    chunk needs them, since 255 registers and 64 KB of shared memory let few programs share an SM; the halves
-    compiled into the separable launch slowed the separable chunks by 0.2 ms.) :func:`halves_grads` is a call of
-    its own (``noinline``): inlined into this loop it spilled 608 B a thread and took 5.7 ms for K3's saturated
-    gates, against 3.9 as a call (112 B)."""
+    """The score gradients of the listed chunks by a fixed number of programs looping over a list, so that where
+    no chunk needs a scheme its launch costs its few programs: by halves (:func:`halves_grads`, key block by key
+    block) the chunks at the list's front, or (``SUB``) by sub-blocks (:func:`sub_block_grads`, sub-block by
+    sub-block and key block by key block) those at its back. (H200, 16 x 2048: launches over every chunk whose
+    programs mostly returned at once cost 0.3-0.4 ms where no chunk needed them, since 255 registers let few
+    programs share an SM.) The work is a call of its own (``noinline``): :func:`halves_grads` inlined into this
+    loop spilled 608 B a thread and took 5.7 ms for K3's saturated gates, against 3.9 as a call (112 B)."""
     NK: tl.constexpr = (K + BK - 1) // BK
-    n = tl.load(count) * NK
+    NW: tl.constexpr = NK * (BT // BC) if SUB else NK       # work items per listed chunk
+    n = tl.load(count + SUB) * NW
     for it in range(tl.program_id(0), n, tl.num_programs(0)):
-        e = tl.load(halves + it // NK)
+        if SUB:
+            e = tl.load(chunks + (L - 1 - it // NW))
+        else:
+            e = tl.load(chunks + it // NW)
         i_c, i_hv = e // HV, e % HV
         _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK, i_hv // (HV // H),
-                     i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+        if SUB:
+            sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, (it % NW) // NK, T_n,
+                            it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+        else:
+            halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
+                         i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def sub_block_grads(
     q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,

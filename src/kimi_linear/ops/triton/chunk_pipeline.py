@@ -29,12 +29,12 @@ import triton
 from ..gate import KernelOptions
 from .chunk_bwd import (
     chunk_kda_bwd_gate_kernel,
-    chunk_kda_bwd_halves_kernel,
     chunk_kda_bwd_inter_kernel,
     chunk_kda_bwd_intra_kernel,
+    chunk_kda_bwd_list_kernel,
+    chunk_kda_bwd_listed_kernel,
     chunk_kda_bwd_qk_kernel,
     chunk_kda_bwd_wy_kernel,
-    chunk_kda_halves_list_kernel,
 )
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
@@ -107,6 +107,9 @@ class LaunchConfig:
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
     bwd_halves_per_sm: int = 2
+    # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
+    # fit four an SM). Not timed
+    bwd_sub_per_sm: int = 4
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -446,22 +449,23 @@ def chunk_kda_bwd_pipeline(
                  PREC=p.prec_exact,
                  num_warps=cfg.bwd_intra_warps or cfg.bwd_warps, **reg_cap(cfg.bwd_regs))
     BKs = min(cfg.bwd_sep_bk, p.BK)
-    # Separable chunks whole (PATH 1); with 16-bit inputs (as in the forward) the chunks bounded per sub-block
-    # whole by halves, over a list of them built on the device (its length never goes to the host); the others by
-    # sub-blocks (PATH 2)
+    # Separable chunks whole by a launch over every chunk; the others listed on the device (the lists' lengths
+    # never go to the host) and taken by persistent launches: with 16-bit inputs (as in the forward) those bounded
+    # per sub-block whole by halves, the rest by sub-blocks
+    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](**dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
     by_halves = p.prec == "tf32"
-    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](
-        PATH=1, HALVES=by_halves, **dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
+    count = torch.zeros(2, dtype=torch.int32, device=q.device)
+    L = p.NT * HV
+    chunks = torch.empty(L, dtype=torch.int32, device=q.device)
+    chunk_kda_bwd_list_kernel[(p.NT, HV)](gP=x.gP, chunks=chunks, count=count, **p.varlen(), T=T, NT=p.NT_seq, L=L,
+                                          HV=HV, K=K, BT=BT, BC=BC, BKA=p.BK, IS_VARLEN=IS_VARLEN, HALVES=by_halves)
+    listed = dict({n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, chunks=chunks,
+                  count=count, L=L)
     if by_halves:
-        count = torch.zeros(1, dtype=torch.int32, device=q.device)
-        halves = torch.empty(p.NT * HV, dtype=torch.int32, device=q.device)
-        chunk_kda_halves_list_kernel[(p.NT, HV)](gP=x.gP, halves=halves, count=count, **p.varlen(), T=T,
-                                                 NT=p.NT_seq, HV=HV, K=K, BT=BT, BC=BC, BKA=p.BK, IS_VARLEN=IS_VARLEN)
-        chunk_kda_bwd_halves_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
-            **{n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, halves=halves, count=count,
-            BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
-    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKi), HV, n=NT * (BT // BC))](PATH=2, HALVES=by_halves,
-                                                                                    **intra)
+        chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
+            **listed, SUB=False, BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
+    chunk_kda_bwd_listed_kernel[(cfg.bwd_sub_per_sm * num_sms(q.device),)](
+        **listed, SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
