@@ -311,6 +311,27 @@ def test_score_gradients_by_halves(dtype, varlen, monkeypatch):
         assert sub_blocks and not halves
 
 
+def test_score_gradients_of_every_chunk_kind_in_one_call(monkeypatch):
+    """bf16, three value heads whose gates fall by about 0.5, 3 and 6 a step (separable; bounded per sub-block, so
+    by halves; neither, so by sub-blocks) over sequences of 70 and 130 tokens: the list kernel files the bounded
+    chunks at the front of one list and the others at its back, and each persistent launch must take exactly its
+    own end (three full chunks each: one halves call per chunk, four sub-block calls per chunk). Every gradient
+    against the float64 reference at the file's bf16 bar."""
+    from kimi_linear.ops.triton import chunk_bwd
+
+    halves = spy_calls(monkeypatch, chunk_bwd, "halves_grads")
+    sub_blocks = spy_calls(monkeypatch, chunk_bwd, "sub_block_grads")
+    x = make_inputs(B=1, T=200, H=1, HV=3, K=32, V=16, N=2, dtype=torch.bfloat16, seed=82)
+    g = x["g"].double()
+    noise = 0.1 * torch.randn(1, 200, 32, generator=torch.Generator().manual_seed(83), dtype=torch.float64)
+    for hv, step in enumerate((-0.5, -3.0, -6.0)):
+        g[:, :, hv] = step + noise
+    x["g"] = g.to(torch.bfloat16)
+    check(x, bar=2e-2, cu_seqlens=torch.tensor([0, 70, 200]))
+    assert len(halves) == 3, halves
+    assert len(sub_blocks) == 3 * 4, sub_blocks
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_level_gradients_on_every_diagonal_block(dtype, monkeypatch):
     """The score gradients' reference-row levels on every diagonal block of the sub-block scheme, mild channels

@@ -103,12 +103,14 @@ class LaunchConfig:
     # against 5.08 by sub-blocks
     bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
-    # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_halves_kernel, looping over the
+    # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
     bwd_halves_per_sm: int = 2
     # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
-    # fit four an SM). Not timed
+    # fit four an SM). H200, 16 x 2048 fwd+bwd, against a launch of one program per chunk and sub-block over every
+    # chunk: strong decay 19.56 -> 19.22 ms, the other regimes 0.39-0.44 ms faster (their idle programs); 2 an SM:
+    # strong decay 22.82
     bwd_sub_per_sm: int = 4
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
