@@ -347,13 +347,13 @@ def run_timings(peak: float) -> None:
     RESULTS["timings"] = rows
 
 
-def run_sweep(cases: list[tuple[int, int]] | None = None) -> None:
+def run_sweep(cases: list[tuple[int, int]] | None = None, launches: list[tuple[int, ...]] | None = None) -> None:
     # (BH, BN, warps, stages): both defaults, the candidate, their neighbours and both defaults with 2 stages (one
     # key buffer). Since the block ids are loaded one tile ahead, 3 stages double-buffer the key tiles (offline sm_90
     # build, local Triton: [32, 64] at 8 warps 175 registers, 184 KB of shared memory; at 16 warps 106, 184 KB;
     # [32, 32] at 8 warps 171, 110 KB, 4 stages 146 KB; [16, 32] at 4 warps 183, 91 KB).
-    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, (32, 64, 16, 3), (32, 32, 8, 3),
-                                  (32, 32, 8, 4), (16, 32, 4, 2), (32, 64, 8, 2), (32, 128, 16, 2)]))
+    configs = list(dict.fromkeys([tri.LAUNCH[2], tri.LAUNCH_LONG, CANDIDATE, *(launches or [(32, 64, 16, 3),
+                                  (32, 32, 8, 3), (32, 32, 8, 4), (16, 32, 4, 2), (32, 64, 8, 2), (32, 128, 16, 2)])]))
     rows = []
     for B, L in cases or S.sweep_cases:
         c = Case([L] * B, S.bs, seed=B + L)
@@ -436,6 +436,14 @@ def offline_sm90() -> int:
 
 
 # --------------------------------------------------------------------------------------------------------- main
+def parse_launch(text: str) -> tuple[int, int, int, int]:
+    """'BH,BN,W,S' -> (BH, BN, W, S); ValueError naming the text otherwise."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(v.strip().isdigit() and int(v) > 0 for v in parts):
+        raise ValueError(f"a launch is four positive integers BH,BN,W,S (got {text!r})")
+    return tuple(int(v) for v in parts)
+
+
 def main() -> int:
     global S
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -445,11 +453,21 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="(c): other tiles, warps, stages and split counts")
     p.add_argument("--sweep-cases", default="", help="(c) at these rows x context pairs instead, e.g. 1x4096,1x131072")
     p.add_argument("--offline-sm90", action="store_true", help="no GPU: compile the kernels for sm_90 and stop")
+    p.add_argument("--launches", default="", metavar="BH,BN,W,S;...",
+                   help="(c) these launches (tiles, warps, stages) beside the defaults instead of the built-in list")
+    p.add_argument("--candidate", default="", metavar="BH,BN,W,S",
+                   help="the launch (a) checks beside the default at every context (default: the long splits')")
     p.add_argument("--block-size", type=int, default=16,
                    help="pool block size of (b) and (c) (default 16, the engine's; generate's pools use 64)")
     p.add_argument("--peak", type=float, default=4.2e12, help="HBM bytes/s to compare with (H200: 4.2e12)")
     p.add_argument("--out", default="", help="directory for mla_decode.json")
     a = p.parse_args()
+    global CANDIDATE
+    try:
+        launches = [parse_launch(t) for t in a.launches.split(";") if t]
+        CANDIDATE = parse_launch(a.candidate) if a.candidate else CANDIDATE
+    except ValueError as e:
+        p.error(str(e))
     if a.offline_sm90:
         return offline_sm90()
     if not a.smoke and not torch.cuda.is_available():
@@ -473,7 +491,7 @@ def main() -> int:
         run_timings(a.peak)
     if a.sweep:
         cases = [tuple(int(v) for v in c.split("x")) for c in a.sweep_cases.split(",")] if a.sweep_cases else None
-        run_sweep(cases)
+        run_sweep(cases, launches)
     say(f"\n{time.time() - t0:.0f} s. " + ("All checks passed." if not FAILED else "FAILED:\n- " + "\n- ".join(FAILED)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
