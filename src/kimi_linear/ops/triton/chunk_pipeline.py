@@ -39,7 +39,7 @@ from .chunk_bwd import (
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
-from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_scores_rest_kernel, chunk_kda_fwd_wy_kernel
+from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .mla_decode import num_sms
 from .tma import tensor_descriptor_class, tma_supported
 
@@ -121,9 +121,6 @@ class LaunchConfig:
     # strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 / 0.577; uncapped 0.02-0.16 ms
     # slower in every regime but strong decay, 0.03 ms faster there (BENCHMARKS.md, "Gate regimes")
     scores_rest_regs: int = 168
-    # Programs per SM of that launch, looping over the list the separable launch writes (168 registers at 4 warps
-    # fit three an SM). Not timed
-    scores_rest_per_sm: int = 3
     wy_regs: int = 168
     bwd_regs: int = 0
 
@@ -322,17 +319,17 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
-        # separable chunks by one program each, which list the others for a persistent launch; float32 inputs keep
-        # the sub-block scheme there: by halves has not run on the GPU with exact float32 products (a float32
-        # launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
+        # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
+        # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
+        # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
+        halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
-        count = torch.zeros(1, dtype=torch.int32, device=q.device)
-        rest = torch.empty(p.NT * HV, dtype=torch.int32, device=q.device)
-        launch = dict(Aqk=Aqk, Akk=Akk, rest=rest, count=count, BK=p.BK, BKS=bks, **tiles,
-                      num_warps=cfg.scores_warps, num_stages=cfg.scores_stages, **shared)
-        chunk_kda_fwd_scores_kernel[p.grid(1, HV)](**launch, **reg_cap(cfg.scores_regs))
-        chunk_kda_fwd_scores_rest_kernel[(cfg.scores_rest_per_sm * num_sms(q.device),)](
-            **launch, HALVES=p.prec == "tf32", **reg_cap(cfg.scores_rest_regs))
+        for separable in (True, False):
+            chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
+                num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
+                **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
+            )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),

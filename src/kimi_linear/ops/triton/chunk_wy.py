@@ -330,67 +330,40 @@ def halves_scores(
 def chunk_kda_fwd_scores_kernel(
     q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
-    rest, count,                      # out: [NT * HV] int32 list of the other chunks, [1] int32 its length (0 on entry)
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
-    """The scores of the chunks :func:`chunk_separable` accepts, one program per chunk and value head; the others
-    are listed (``i_c * HV + i_hv``, any order) for :func:`chunk_kda_fwd_scores_rest_kernel`. Two launches so that
-    each compiles only its own path (the separable one in 168 registers a thread, the others near 255)."""
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in 168 registers a thread, the other near 255). ``HALVES``: of the others, those that
+    chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
+    255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
+    rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
-    if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC):
-        b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
-                                      PREC, d_q, d_k, d_gP, TMA)
-        finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-    else:
-        tl.store(rest + tl.atomic_add(count, 1), i_c * HV + i_hv)
-
-
-@triton.jit
-def chunk_kda_fwd_scores_rest_kernel(
-    q, k, gP, rq, rk, Aqk, Akk,       # as chunk_kda_fwd_scores_kernel's
-    rest, count,                      # its list of the chunks that are not separable and the list's length
-    cu_seqlens, chunk_indices,
-    T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    HALVES: tl.constexpr, d_q, d_k, d_gP, TMA: tl.constexpr,
-):
-    """The scores of the listed chunks by a fixed number of programs looping over the list (where every chunk is
-    separable the launch costs its few programs, not one program per chunk that returns at once). ``HALVES``:
-    those chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (compiled beside the 255-register
-    sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the rest by the
-    sub-block scheme (:func:`chunk_scores`); without it (float32 inputs) all by the sub-block scheme."""
-    for it in range(tl.program_id(0), tl.load(count), tl.num_programs(0)):
-        e = tl.load(rest + it)
-        i_c, i_hv = e // HV, e % HV
-        _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        rest_scores(q, k, gP, rq, rk, Aqk, Akk, bos, i_t * BT, T_n, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK,
-                    BKS, USE_QK_L2NORM, PREC, HALVES, d_q, d_k, d_gP, TMA)
-
-
-@triton.jit(noinline=True)
-def rest_scores(q, k, gP, rq, rk, Aqk, Akk, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-                USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, HALVES: tl.constexpr, d_q, d_k, d_gP,
-                TMA: tl.constexpr):
-    """The scores of one chunk that is not separable, stored (see :func:`chunk_kda_fwd_scores_rest_kernel`); a call
-    of its own (``noinline``) so that the loop around it does not share its registers."""
-    bounded = False
-    if HALVES:
-        bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-    if bounded:
-        b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                   d_q, d_k, d_gP, TMA)
-    else:
-        b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                  BK, d_q, d_k, d_gP, TMA)
-    finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+    if SEPARABLE:
+        if sep:
+            b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                                          PREC, d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+    elif not sep:
+        bounded = False
+        if HALVES:
+            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        if bounded:
+            b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                       d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+        else:
+            b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                      BK, d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
 @triton.jit
