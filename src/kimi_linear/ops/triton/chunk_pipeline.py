@@ -40,7 +40,7 @@ from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
-from .mla_decode import num_sms
+from .device import num_sms
 from .tma import tensor_descriptor_class, tma_supported
 
 

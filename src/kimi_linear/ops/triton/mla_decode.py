@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import cast, mm
+from .device import num_sms
 from .pdl import pdl_args, pdl_entry
 
 LOG2E = 1.4426950408889634
@@ -224,14 +225,6 @@ def mla_decode_merge_kernel(
     b_o = b_acc * b_inv                                                                              # [BV]
     tl.store(o + i_bh * C + o_v, cast(b_o, o.dtype.element_ty), mask=m_v)
     tl.store(lse + i_bh, b_lse * LN2, mask=i_v == 0)
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 on an H200); 4 elsewhere (the interpreter runs programs one
-    by one, so few splits keep CPU runs short)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int, sms: int,
