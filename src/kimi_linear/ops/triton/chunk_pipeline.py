@@ -131,6 +131,12 @@ class LaunchConfig:
             if getattr(self, name) < 4:
                 raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
                                  "faulted on the H200")
+        # The persistent launches' sizes: with no program the listed chunks' score gradients would silently be
+        # left undone.
+        for name in ("bwd_halves_per_sm", "bwd_sub_per_sm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LaunchConfig.{name} must be >= 1 (got {getattr(self, name)}): programs per SM "
+                                 "of a launch that loops over listed chunks")
         if self.store not in ("input", "float32"):
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
