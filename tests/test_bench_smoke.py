@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("kda_kernels.py", ["--smoke", "--regimes", "--no-decode", "--no-fla", "--out", "{tmp}"]),
     ("mla_decode_gpu.py", ["--smoke"]),
     ("mla_decode_gpu.py", ["--smoke", "--no-check", "--block-size", "64"]),
+    ("mla_decode_gpu.py", ["--smoke", "--no-bench", "--sweep", "--launches", "64,16,8,4", "--candidate", "64,16,8,4"]),
     ("moe_gpu.py", ["--smoke"]),
     ("moe_gpu.py", ["--smoke", "--no-tma"]),
     ("moe_gpu.py", ["--smoke", "--grid", "--N", "1"]),
