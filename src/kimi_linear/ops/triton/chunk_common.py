@@ -345,7 +345,7 @@ def sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3):
 @triton.jit
 def chunk_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """(:func:`chunk_separable`, :func:`sub_blocks_bounded`) of the chunk at t0 from one load of its sub-block
-    totals, for the score gradients' launches that ask both (each of the two loads them on its own)."""
+    totals, for the score gradients' list kernel (chunk_bwd.chunk_kda_bwd_list_kernel), which asks both."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
     return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
 
