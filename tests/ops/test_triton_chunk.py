@@ -23,6 +23,7 @@ from .triton_cases import (  # noqa: E402, F401  (poison_empty: autouse fixture)
     poison_empty,
     reference,
     spy_calls,
+    stepped_gates,
     strong_gate,
 )
 
@@ -208,11 +209,7 @@ def test_l2norm_factors_from_scores(dtype):
     score paths (gate steps of about -0.5, -3 and -6)."""
     x = make_inputs(B=1, T=130, H=1, HV=3, K=40, V=16, dtype=dtype, seed=46)
     x["q"], x["k"] = (7 * x["q"]).to(dtype), (3 * x["k"]).to(dtype)
-    g = x["g"].double()
-    noise = 0.1 * torch.randn(1, 130, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    for hv, step in enumerate((-0.5, -3.0, -6.0)):
-        g[:, :, hv] = step + noise
-    x["g"] = g.to(dtype)
+    stepped_gates(x, (-0.5, -3.0, -6.0), seed=4)
     opts = KernelOptions(use_qk_l2norm_in_kernel=True)
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 40 ** -0.5, x["initial_state"], True, opts,
                          None)

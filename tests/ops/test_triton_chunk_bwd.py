@@ -22,6 +22,7 @@ from .triton_cases import (  # noqa: E402, F401  (poison_empty: autouse fixture)
     poison_empty,
     reference_grads,
     spy_calls,
+    stepped_gates,
     strong_gate,
 )
 
@@ -321,12 +322,8 @@ def test_score_gradients_of_every_chunk_kind_in_one_call(monkeypatch):
 
     halves = spy_calls(monkeypatch, chunk_bwd, "halves_grads")
     sub_blocks = spy_calls(monkeypatch, chunk_bwd, "sub_block_grads")
-    x = make_inputs(B=1, T=200, H=1, HV=3, K=32, V=16, N=2, dtype=torch.bfloat16, seed=82)
-    g = x["g"].double()
-    noise = 0.1 * torch.randn(1, 200, 32, generator=torch.Generator().manual_seed(83), dtype=torch.float64)
-    for hv, step in enumerate((-0.5, -3.0, -6.0)):
-        g[:, :, hv] = step + noise
-    x["g"] = g.to(torch.bfloat16)
+    x = stepped_gates(make_inputs(B=1, T=200, H=1, HV=3, K=32, V=16, N=2, dtype=torch.bfloat16, seed=82),
+                      (-0.5, -3.0, -6.0), seed=83)
     check(x, bar=2e-2, cu_seqlens=torch.tensor([0, 70, 200]))
     assert len(halves) == 3, halves
     assert len(sub_blocks) == 3 * 4, sub_blocks

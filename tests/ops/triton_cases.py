@@ -76,6 +76,18 @@ def mixed_gates(x, seed=0, group=None):
     return x
 
 
+def stepped_gates(x, steps, seed):
+    """Log decays of value head h about ``steps[h]`` a step (plus 0.1 N(0, 1) noise, the same draw for every head),
+    e.g. (-0.5, -3, -6): one head per score path (separable, bounded per sub-block, neither)."""
+    g = x["g"].double()
+    B, T, _, K = g.shape
+    noise = 0.1 * torch.randn(B, T, K, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    for hv, step in enumerate(steps):
+        g[:, :, hv] = step + noise
+    x["g"] = g.to(x["g"].dtype)
+    return x
+
+
 def spy_calls(monkeypatch, module, name):
     """Count the calls of the device function ``module.name`` (under the interpreter a kernel looks its callees up
     in its module's globals when it runs, so a wrapper there sees every call)."""
