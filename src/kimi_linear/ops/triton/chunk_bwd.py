@@ -60,7 +60,7 @@ from .chunk_common import (
     sub_block_totals,
     tf32_operand,
 )
-from .transforms import softplus
+from .transforms import sigmoid, softplus_sigmoid
 
 
 @triton.jit
@@ -533,13 +533,14 @@ def chunk_kda_bwd_gate_kernel(
             b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
         if USE_LOWER_BOUND:
             # g = lb sigmoid(a x): dg/dx = lb s (1 - s) a, dg/dA_log = (dg/dx) x
-            b_s = tl.sigmoid(b_a * b_x)
+            b_s = sigmoid(b_a * b_x)
             b_dx = b_dgs * (lower_bound * b_s * (1.0 - b_s) * b_a)
             b_dA = tl.where(m_r[:, None], b_dx * b_x, 0.0)
         else:
             # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
-            b_dx = b_dgs * (-b_a * tl.sigmoid(b_x))
-            b_dA = tl.where(m_r[:, None], b_dgs * (-b_a * softplus(b_x)), 0.0)
+            b_sp, b_s = softplus_sigmoid(b_x)
+            b_dx = b_dgs * (-b_a * b_s)
+            b_dA = tl.where(m_r[:, None], b_dgs * (-b_a * b_sp), 0.0)
         b_dx = tl.where(m_r[:, None], b_dx, 0.0)
         store_rows(dg, b_dx, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         tl.store(dA_p + (i_c.to(tl.int64) * NK + i_k) * HV + i_hv, tl.sum(tl.sum(tl.where(m_k[None, :], b_dA, 0.0),

@@ -18,15 +18,13 @@ with r a reference row of the same sub-block between j and i (:func:`level_facto
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-# Triton's interpreter (TRITON_INTERPRET=1, how the tests run on CPU) multiplies bfloat16 dot operands as their raw
-# uint16 bit patterns; on the GPU a bf16 dot is exact products with float32 accumulation, which is what widening
-# the operands to float32 first computes.
-INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# INTERPRET: Triton's interpreter (TRITON_INTERPRET=1, how the tests run on CPU) multiplies bfloat16 dot operands as
+# their raw uint16 bit patterns; on the GPU a bf16 dot is exact products with float32 accumulation, which is what
+# widening the operands to float32 first computes (mm). fast_exp is re-exported for the kernels that import it here.
+from .fastmath import INTERPRET, fast_exp  # noqa: F401
 
 BT = 64                 # chunk length
 BC = 16                 # sub-block length; BT // BC = 4 sub-blocks per chunk
@@ -47,17 +45,6 @@ def cast(b_x, dtype: tl.constexpr):
                 b_u = (b_u + 0x7FFF + ((b_u >> 16) & 1)) & 0xFFFF0000
                 b_x = b_u.to(tl.float32, bitcast=True)
     return b_x.to(dtype)
-
-
-@triton.jit
-def fast_exp(b_x):
-    """``exp(b_x)`` for float32 as one multiply and the hardware's ``ex2.approx.ftz`` (relative error ~2^-22):
-    tl.exp adds range checks and rescaling around it for results below 2^-126, which the pipeline's factors (all
-    <= 1 or bounded by SAFE_EXP / HALF_LIMIT) only reach where flushing them to zero is right."""
-    if INTERPRET:
-        return tl.exp(b_x)
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [b_x * 1.4426950408889634],
-                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
