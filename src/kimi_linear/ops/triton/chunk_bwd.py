@@ -260,15 +260,18 @@ def chunk_kda_bwd_intra_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The score matrices' gradients of the chunks :func:`chunk_separable` accepts, one program per chunk, key
-    block and value head (:func:`separable_grads`); the other chunks are listed (:func:`chunk_kda_bwd_list_kernel`)
-    and taken by :func:`chunk_kda_bwd_listed_kernel`."""
-    i_c, i_k, i_hv = grid_coords((K + BK - 1) // BK, HV)
+    """The score matrices' gradients of the chunks :func:`chunk_separable` accepts, one program per chunk and
+    value head looping over the key blocks (:func:`separable_grads`); the other chunks are listed
+    (:func:`chunk_kda_bwd_list_kernel`) and taken by :func:`chunk_kda_bwd_listed_kernel`. One program per key
+    block too would quadruple the programs that find their chunk not separable and return (255 registers: two
+    programs an SM, so even idle ones pass through in waves)."""
+    i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
-        separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_hv // (HV // H), i_hv,
-                        H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+        for i_k in tl.range((K + BK - 1) // BK, num_stages=1):    # not pipelined: each block is whole
+            separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_hv // (HV // H),
+                            i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
 @triton.jit
@@ -396,7 +399,7 @@ def load_lower(p, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, DIAGON
     return tl.where(o_t[:, None] > o_t[None, :], b_a, 0.0)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def separable_grads(
     q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,

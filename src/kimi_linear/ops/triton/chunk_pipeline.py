@@ -460,7 +460,7 @@ def chunk_kda_bwd_pipeline(
     # Separable chunks whole by a launch over every chunk; the others listed on the device (the lists' lengths
     # never go to the host) and taken by persistent launches: with 16-bit inputs (as in the forward) those bounded
     # per sub-block whole by halves, the rest by sub-blocks
-    chunk_kda_bwd_intra_kernel[p.grid(triton.cdiv(K, BKs), HV)](**dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
+    chunk_kda_bwd_intra_kernel[p.grid(1, HV)](**dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
     by_halves = p.prec == "tf32"
     count = torch.zeros(2, dtype=torch.int32, device=q.device)
     L = p.NT * HV
