@@ -98,10 +98,12 @@ class LaunchConfig:
     bwd_intra_bk: int = 32
     bwd_intra_warps: int = 2
     bwd_intra_prec: str = "tf32"
-    # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk, four [64, 64] x
-    # [64, BK] products (chunk_bwd.separable_grads); H200 (16 x 2048 lower_bound): 3.32 ms
-    # against 5.08 by sub-blocks
-    bwd_sep_bk: int = 32              # its key channels per program (64 spills heavily on sm_90)
+    # Score gradients of separable chunks (chunk_common.chunk_separable) by one program per chunk and value head,
+    # four [64, 64] x [64, BK] products per key block (chunk_bwd.separable_grads); H200 (16 x 2048 lower_bound):
+    # 3.32 ms against 5.08 by sub-blocks. A program per key block as well cost K3's saturated gates 0.228 ms and
+    # strong decay 0.398 in programs that find no separable chunk (0.068 / 0.262 looping over the key blocks;
+    # 0.03 ms more where every chunk is separable)
+    bwd_sep_bk: int = 32              # its key channels per loop step (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
     # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's

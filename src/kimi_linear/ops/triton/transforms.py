@@ -21,9 +21,9 @@ def l2_normalize(b_x, axis: tl.constexpr):
 def softplus_sigmoid(b_x):
     """``(softplus(x), sigmoid(x))`` from one exponential ``e = exp(-|x|)``: ``softplus = max(x, 0) + log(1 + e)``
     (no overflow for large x, no cancellation for very negative x) and ``sigmoid = 1 / (1 + e)`` or ``e / (1 + e)``.
-    Single hardware instructions (fastmath): the gate kernels are bound by this arithmetic, and libdevice's log and
-    an IEEE division cost the softplus gate ~0.08 ms of the H200 prepare kernel (16 x 2048, H=32) against the
-    sigmoid gate."""
+    Single hardware instructions (fastmath): with libdevice's log and IEEE divisions the softplus gate's kernels
+    were bound by that arithmetic (H200, 16 x 2048, H=32: prepare 0.278 -> 0.202 ms, the backward's gate kernel
+    0.699 -> 0.500, now as fast as with the sigmoid gate)."""
     b_e = fast_exp(-tl.abs(b_x))
     # For e < 1e-4 the series e - e^2/2 is exact to float32; log(1 + e) would round 1 + e.
     b_l = tl.where(b_e < 1e-4, b_e * (1.0 - 0.5 * b_e), fast_log(1.0 + b_e))
