@@ -190,7 +190,7 @@ def test_wide_state_scans(stages, monkeypatch):
     import kimi_linear.ops.triton.chunk as tri_chunk
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
 
-    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(h_bv=64, h_stages=stages))
+    monkeypatch.setattr(tri_chunk, "DEFAULT_CONFIG", LaunchConfig(h_bv=64, h_stages=stages, h_out_stages=stages))
     check(make_inputs(B=2, T=70, H=1, HV=2, K=32, V=64, seed=56))
 
 

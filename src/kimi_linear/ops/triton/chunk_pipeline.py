@@ -82,9 +82,13 @@ class LaunchConfig:
     # programs longer); not swept again since (bench/kda_kernels.py --profile times h_bv 64 and 16)
     h_bv: int = 0
     h_warps: int = 4
-    # software pipelining of the state scans' chunk loop; 0: 3 for few sequences (1 x 32768, H=32: forward scan 0.77
-    # against 0.96 ms with 2), 2 otherwise (16 x 2048: 0.48 against 0.59 with 3); the same rule as h_bv's
+    # software pipelining of the backward's state scans (its recompute and the reverse scan); 0: 3 for few sequences
+    # (1 x 32768, H=32: forward scan 0.77 against 0.96 ms with 2), 2 otherwise (16 x 2048: 0.48 against 0.59 with
+    # 3; both measured before the forward scan formed the output); the same rule as h_bv's
     h_stages: int = 0
+    # the same for the forward's scan, which forms the output; 0: 3 for 16-bit intermediates at K <= 128, whatever
+    # the shape (H200, 16 x 2048, 2026-12-04: 0.469 against 0.653 ms with 2, in every gate regime)
+    h_out_stages: int = 0
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
     bwd_warps: int = 4
     # warps of the inter kernel alone (0: bwd_warps): 8 timed 3.23 ms against 3.75 with 4 (H200, 2026-12-01), no
@@ -240,6 +244,7 @@ class Problem:
         # the backward scan needs 352 / 242 KiB (bf16, 3 / 2 stages) and 248 KiB (float32, 2), and 64 value
         # columns spill even with one stage, so wide keys scan 32 columns with one stage (60 / 88 KiB)
         self.h_stages = cfg.h_stages or (1 if big_k else 2 if wide or self.sdt == torch.float32 else 3)
+        self.h_out_stages = cfg.h_out_stages or (1 if big_k else 2 if self.sdt == torch.float32 else 3)
         self.dummy = torch.empty(1, dtype=torch.float32, device=q.device)
 
     def fills_sms(self, bv: int) -> bool:
@@ -355,7 +360,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         scale=scale if fused else 1.0, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, OUTPUT=fused, PREC=p.prec,
-        num_warps=cfg.h_warps, num_stages=p.h_stages,
+        num_warps=cfg.h_warps, num_stages=p.h_out_stages if fused else p.h_stages,
     )
     return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht, o)
 
