@@ -40,7 +40,6 @@ from .chunk_common import (
     chunk_kind,
     chunk_separable,
     earlier_factor,
-    fast_exp,
     gate_tiles,
     grid_coords,
     halves_exponents,
@@ -60,6 +59,7 @@ from .chunk_common import (
     sub_block_totals,
     tf32_operand,
 )
+from .fastmath import fast_exp
 from .transforms import sigmoid, softplus_sigmoid
 
 

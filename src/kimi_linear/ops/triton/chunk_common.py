@@ -23,8 +23,8 @@ import triton.language as tl
 
 # INTERPRET: Triton's interpreter (TRITON_INTERPRET=1, how the tests run on CPU) multiplies bfloat16 dot operands as
 # their raw uint16 bit patterns; on the GPU a bf16 dot is exact products with float32 accumulation, which is what
-# widening the operands to float32 first computes (mm). fast_exp is re-exported for the kernels that import it here.
-from .fastmath import INTERPRET, fast_exp  # noqa: F401
+# widening the operands to float32 first computes (mm).
+from .fastmath import INTERPRET, fast_exp
 
 BT = 64                 # chunk length
 BC = 16                 # sub-block length; BT // BC = 4 sub-blocks per chunk

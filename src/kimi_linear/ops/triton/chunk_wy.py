@@ -36,7 +36,6 @@ from .chunk_common import (
     chunk_gate_terms,
     chunk_separable,
     diagonal_block_inverses,
-    fast_exp,
     gate_terms,
     grid_coords,
     halves_exponents,
@@ -56,6 +55,7 @@ from .chunk_common import (
     sub_blocks_bounded,
     tf32_operand,
 )
+from .fastmath import fast_exp
 
 
 @triton.jit

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_common import INTERPRET, cast
+from .chunk_common import cast
+from .fastmath import INTERPRET
 from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2
 from .tma import tensor_descriptor_class, tma_supported
 
