@@ -1,11 +1,10 @@
-"""Host side of the chunk pipeline: the forward as three kernels, and the backward.
+"""Host side of the chunk pipeline: the forward as four small kernels, and the backward.
 
 Forward (docs/kda.md §4-6), each kernel with a bounded working set:
 
-    (a) chunk_prepare.py  gate -> gP (16-row sub-block sums)
-    (b) chunk_wy.py       scores: Aqk, Akk per chunk, separable chunks in one product per channel step, l2norm row
-                          factors rq, rk; then in the same program (two launches by chunk kind)
-    (c, d)                (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
+    (a) chunk_prepare.py  gate -> gP (16-row sub-block sums), l2norm row factors rq, rk
+    (b) chunk_wy.py       scores: Aqk, Akk per chunk, separable chunks in one product per channel step (two launches)
+    (c, d) chunk_wy.py    (I + beta Akk)^-1 by 16x16 blocks; w, u, qg, kg, decay
     (e) chunk_state.py    the state scan: per chunk vn = u - w h and o = scale (qg h + Aqk vn), final state
 
 Backward: recompute (a)-(e), the scan storing h per chunk and vn instead of forming o (in training,
@@ -40,7 +39,7 @@ from .chunk_bwd import (
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
-from .chunk_wy import chunk_kda_fwd_intra_kernel, chunk_kda_fwd_wy_kernel
+from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .device import num_sms
 from .tma import tensor_descriptor_class, tma_supported
 
@@ -122,7 +121,7 @@ class LaunchConfig:
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
-    scores_regs: int = 168            # the separable chunks' launch
+    scores_regs: int = 0              # the separable chunks' launch (160 registers uncapped, no spills)
     # The other chunks' launch (halves and sub-block schemes, 255 registers uncapped): capped at 168 it runs two
     # programs an SM for 248 B of spills. H200, 2026-12-03, scores kernel ms at 16x2048, bench gates / layer init /
     # strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 / 0.577; uncapped 0.02-0.16 ms
@@ -279,23 +278,22 @@ class Problem:
                     USE_LOWER_BOUND=o.lower_bound is not None, HAS_DT_BIAS=dt_bias is not None)
 
 
-def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int, flag: str = "TMA") -> dict:
+def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int) -> dict:
     """Tensor-descriptor arguments of a kernel (chunk_wy.chunk_tile): TMA descriptors of the ``tensors`` ([B, T,
-    heads, width] each, named by the kernel's argument; v's, named ``*_v``, steps by bv, the others' by bks) over
-    their [rows, heads x width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths
-    divisible by the steps, 16-byte row strides), else the tensors themselves (unused); and the kernel's ``flag``
-    argument saying which."""
+    heads, width] each, named ``d_*``; v's width steps by bv, the others' by bks) over their [rows, heads x
+    width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible by the steps,
+    16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
     usable = (wanted and tma_supported(p.device) and p.K % bks == 0 and p.V % bv == 0
               and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
                       for x in tensors.values()))
     if not usable:
-        return dict(tensors, **{flag: False})
+        return dict(tensors, TMA=False)
     TensorDescriptor = tensor_descriptor_class()
 
     def desc(x, step):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[2] * x.shape[3]), [BT, step])
 
-    return dict({n: desc(x, bv if n.endswith("_v") else bks) for n, x in tensors.items()}, **{flag: True})
+    return dict({n: desc(x, bv if n == "d_v" else bks) for n, x in tensors.items()}, TMA=True)
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
@@ -325,30 +323,30 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
     u = p.empty(B, T, HV, V, dtype=p.sdt)
     decay = p.empty(max(NT, 1), HV, K)
-    bks, bkw, bv = min(cfg.scores_bks, p.BK), min(cfg.wy_bks, p.BK), min(cfg.wy_bks, p.BVmax)
-    shared = dict(q=q, k=k, v=v, beta=beta, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), w=w, u=u, qg=qg, kg=kg, decay=decay,
-                  **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=bv, IS_VARLEN=IS_VARLEN,
-                  USE_QK_L2NORM=use_l2, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-                  NEG_EIGVAL=opts.allow_neg_eigval, PREC=p.prec)
+    bks = min(cfg.scores_bks, p.BK)
+    flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
+    wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
+              BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+              NEG_EIGVAL=opts.allow_neg_eigval)
+    wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
+    shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
+                  BC=BC, **flags)
     if kept is None:
-        # (b)-(d) in one program per chunk, in two launches: separable chunks, the rest (by halves when bounded
-        # per sub-block, else by sub-blocks). Float32 inputs keep the sub-block scheme: by halves has not run on
-        # the GPU with exact float32 products (a float32 launch failure on 2026-12-01 was first blamed on it; it
-        # was the backward scan, see h_stages)
+        # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
+        # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
+        # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
-        tiles.update(tile_descriptors(p, cfg.wy_tma, dict(dw_q=q, dw_k=k, dw_v=v, dw_gP=gP), bkw, bv, "WY_TMA"))
         for separable in (True, False):
-            chunk_kda_fwd_intra_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, Tm=Tm, BK=p.BK, BKS=bks, BKW=bkw, SEPARABLE=separable, HALVES=halves, **tiles,
+            chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-    else:
-        # the backward: the WY factors from the inverse the forward kept
-        tiles = tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), bkw, bv)
-        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](Tm=Tm, BKS=bkw, **tiles, num_warps=cfg.wy_warps,
-                                               num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **shared)
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
+    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
+                                           num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
+                                           **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)

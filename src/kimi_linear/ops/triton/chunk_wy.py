@@ -1,6 +1,6 @@
-"""Chunk pipeline, stages (b)-(d): the intra-chunk score matrices, the inverse, and the WY factors, in one kernel.
+"""Chunk pipeline, stages (b)-(d): the intra-chunk score matrices, the inverse, and the WY factors.
 
-:func:`chunk_kda_fwd_intra_kernel`, one program per (chunk, value head), does all three for its chunk. It writes
+:func:`chunk_kda_fwd_scores_kernel`, one program per (chunk, value head), writes
 
     Aqk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)    (j <= i)       Akk[i, j] = same with k_i, j < i (no beta)
 
@@ -15,9 +15,9 @@ a reference row r between j and i, both factors <= 1, in four batched products p
 8, 4 and 2 rows, over the four sub-blocks at once: :func:`diagonal_levels`). With l2norm the paths run on raw q
 and k and :func:`finish_scores` applies (and stores) the row factors.
 
-Then (:func:`wy_factors`) it inverts ``I + diag(beta) Akk`` from the Akk rows just stored, by 16x16 blocks
-(chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), stores the inverse ``Tm``
-(read again at once as one [64, 64] tile, and by the backward), and writes
+:func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
+blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), stores the inverse
+``Tm`` (read again at once as one [64, 64] tile, and by the backward), and writes
 
     w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
 
@@ -327,29 +327,22 @@ def halves_scores(
 
 
 @triton.jit
-def chunk_kda_fwd_intra_kernel(
-    q, k, v, beta, gP, rq, rk,        # [B, T, H, K] x2, [B, T, HV, V], [B, T, HV], [B, T, HV, K] f32, [B, T, H] f32 x2
-    Aqk, Akk, Tm,                     # out: [B, T, HV, BT] each (Akk without beta, Akk and Tm float32)
-    w, u, qg, kg, decay,              # out: [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
+def chunk_kda_fwd_scores_kernel(
+    q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
+    Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    PREC: tl.constexpr, SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr,  # the scores' tensor descriptors (LaunchConfig.scores_tma), else the tensors
-    dw_q, dw_k, dw_v, dw_gP, WY_TMA: tl.constexpr,  # the WY products' (LaunchConfig.wy_tma)
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
-    """Stages (b)-(d) of a chunk in one program: its scores (stored), then the inverse from the Akk rows just
-    stored and the WY factors (:func:`wy_factors`), so that the WY products find the chunk's q, k and gP tiles
-    still in L2 rather than reading them from memory a second time.
-
-    Two launches: the chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others; both evaluate the
-    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own scores
-    path (the separable one in 160 registers a thread, the others near 255). ``HALVES``: of the others, those that
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in 168 registers a thread, the other near 255). ``HALVES``: of the others, those that
     chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
-    sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the rest by the
-    sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
+    255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
+    rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
@@ -359,9 +352,6 @@ def chunk_kda_fwd_intra_kernel(
             b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                                           PREC, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-            wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                       H, HV, K, V, BT, BC, BKW, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                       dw_q, dw_k, dw_v, dw_gP, WY_TMA)
     elif not sep:
         bounded = False
         if HALVES:
@@ -374,41 +364,6 @@ def chunk_kda_fwd_intra_kernel(
             b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                       BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-        wy_factors(q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                   H, HV, K, V, BT, BC, BKW, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                   dw_q, dw_k, dw_v, dw_gP, WY_TMA)
-
-
-@triton.jit
-def wy_factors(
-    q, k, v, beta, gP, rq, rk, Akk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
-):
-    """The inverse of the chunk at t0 from its Akk rows (:func:`inverse_blocks`, stored as Tm) and its WY factors
-    (:func:`wy_products`). Each step reads back what the program's threads stored just before (Akk, then Tm as
-    one [BT, BT] tile): a barrier first makes every thread's stores visible."""
-    tl.debug_barrier()
-    inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    tl.debug_barrier()
-    wy_from_inverse(q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                    H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                    d_q, d_k, d_v, d_gP, TMA)
-
-
-@triton.jit
-def wy_from_inverse(
-    q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
-):
-    """:func:`wy_products` from the chunk's inverse in memory, loaded as one [BT, BT] tile."""
-    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
-    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                d_q, d_k, d_v, d_gP, TMA)
 
 
 @triton.jit
@@ -560,20 +515,26 @@ def wy_products(
 
 @triton.jit
 def chunk_kda_fwd_wy_kernel(
-    q, k, v, beta, gP, rq, rk, Tm,    # inputs (Tm: the inverse the forward kept)
-    w, u, qg, kg, decay,              # out: [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
+    q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
+    Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
     cu_seqlens, chunk_indices,
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr,
     d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
-    """The WY factors of a chunk from the inverse kept by the forward: the backward's recomputation (the forward
-    forms them in :func:`chunk_kda_fwd_intra_kernel`)."""
+    """The inverse and the WY factors of a chunk (``STAGE`` 0), or the WY factors alone from an inverse kept from
+    the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    wy_from_inverse(q, k, v, beta, gP, rq, rk, Tm, w, u, qg, kg, decay, i_c, bos, i_t * BT, T_n, i_hv // (HV // H),
-                    i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                    d_q, d_k, d_v, d_gP, TMA)
+    t0 = i_t * BT
+    if STAGE == 0:
+        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
+        # The same program reads the inverse back as one tile: make every thread's stores visible first.
+        tl.debug_barrier()
+    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+                H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
+                d_q, d_k, d_v, d_gP, TMA)
