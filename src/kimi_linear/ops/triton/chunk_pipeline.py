@@ -39,7 +39,7 @@ from .chunk_bwd import (
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
-from .chunk_wy import chunk_kda_fwd_inverse_kernel, chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .device import num_sms
 from .tma import tensor_descriptor_class, tma_supported
 
@@ -61,8 +61,6 @@ class LaunchConfig:
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
     keep_scores: bool = True
-    inv_warps: int = 4                # the inverse's own launch (chunk_wy.chunk_kda_fwd_inverse_kernel)
-    inv_regs: int = 0
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
@@ -345,13 +343,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-        chunk_kda_fwd_inverse_kernel[p.grid(1, HV)](
-            beta=beta, Akk=Akk, Tm=Tm, **p.varlen(), T=T, NT=p.NT_seq, HV=HV, BT=BT, BC=BC, IS_VARLEN=IS_VARLEN,
-            USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
-            num_warps=cfg.inv_warps, num_stages=1, **reg_cap(cfg.inv_regs),
-        )
-    # the WY factors from the inverse in memory
-    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2,
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
+    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
