@@ -345,7 +345,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
-                                           INV_PREC="tf32x3" if p.prec == "tf32" else "ieee",
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan

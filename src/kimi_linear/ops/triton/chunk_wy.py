@@ -394,7 +394,7 @@ def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_
 @triton.jit
 def inverse_blocks(
     beta, Akk, Tm, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, INV_PREC: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
 ):
     """``Tm = (I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, by 16x16 blocks, stored
     (all [BT, BT])."""
@@ -418,15 +418,13 @@ def inverse_blocks(
     b_A30 = load_A_block(Akk, b_b3, bos, t0, 3, 0, T_n, i_hv, HV, BT, BC)
     b_A31 = load_A_block(Akk, b_b3, bos, t0, 3, 1, T_n, i_hv, HV, BT, BC)
     b_A32 = load_A_block(Akk, b_b3, bos, t0, 3, 2, T_n, i_hv, HV, BT, BC)
-    # Small products of the inverse at float32's accuracy (INV_PREC: exact, or three tf32 products for 16-bit
-    # inputs): its error feeds every w and u row.
-    b_T10 = -mm(b_T11, mm(b_A10, b_T00, INV_PREC), INV_PREC)
-    b_T21 = -mm(b_T22, mm(b_A21, b_T11, INV_PREC), INV_PREC)
-    b_T20 = -mm(b_T22, mm(b_A20, b_T00, INV_PREC) + mm(b_A21, b_T10, INV_PREC), INV_PREC)
-    b_T32 = -mm(b_T33, mm(b_A32, b_T22, INV_PREC), INV_PREC)
-    b_T31 = -mm(b_T33, mm(b_A31, b_T11, INV_PREC) + mm(b_A32, b_T21, INV_PREC), INV_PREC)
-    b_T30 = -mm(b_T33, mm(b_A30, b_T00, INV_PREC) + mm(b_A31, b_T10, INV_PREC) + mm(b_A32, b_T20, INV_PREC),
-                INV_PREC)
+    # Small products of the inverse in full float32: its error feeds every w and u row.
+    b_T10 = -mm(b_T11, mm(b_A10, b_T00, "ieee"), "ieee")
+    b_T21 = -mm(b_T22, mm(b_A21, b_T11, "ieee"), "ieee")
+    b_T20 = -mm(b_T22, mm(b_A20, b_T00, "ieee") + mm(b_A21, b_T10, "ieee"), "ieee")
+    b_T32 = -mm(b_T33, mm(b_A32, b_T22, "ieee"), "ieee")
+    b_T31 = -mm(b_T33, mm(b_A31, b_T11, "ieee") + mm(b_A32, b_T21, "ieee"), "ieee")
+    b_T30 = -mm(b_T33, mm(b_A30, b_T00, "ieee") + mm(b_A31, b_T10, "ieee") + mm(b_A32, b_T20, "ieee"), "ieee")
 
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
     store_rows(Tm, b_T00, bos, t0, T_n, i_hv, HV, BT, o_j, BC)
@@ -524,7 +522,7 @@ def chunk_kda_fwd_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, STAGE: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr,
     d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0), or the WY factors alone from an inverse kept from
@@ -533,7 +531,7 @@ def chunk_kda_fwd_wy_kernel(
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     if STAGE == 0:
-        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, INV_PREC)
+        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
         # The same program reads the inverse back as one tile: make every thread's stores visible first.
         tl.debug_barrier()
     b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
