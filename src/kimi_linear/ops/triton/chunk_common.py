@@ -529,7 +529,3 @@ def block_of(b_T, b: tl.constexpr):
     """Block b of a [NB, BC, BC] stack: [BC, BC]."""
     o_b = tl.arange(0, b_T.shape[0])
     return tl.sum(tl.where((o_b == b)[:, None, None], b_T, 0.0), 0)
-
-
-def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(n)

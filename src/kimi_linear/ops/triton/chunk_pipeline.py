@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..gate import KernelOptions
 from .chunk_bwd import (
@@ -41,6 +40,7 @@ from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .device import num_sms
+from .ints import cdiv, next_pow2
 from .tma import tensor_descriptor_class, tma_supported
 
 
@@ -162,7 +162,7 @@ def varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     """(chunk_indices [NT, 2] int32: sequence and chunk within it; chunk_offsets [N+1] int32: first flat chunk of
     each sequence; NT)."""
     bounds = cu_seqlens.tolist()
-    counts = [triton.cdiv(e - s, BT) for s, e in zip(bounds[:-1], bounds[1:])]
+    counts = [cdiv(e - s, BT) for s, e in zip(bounds[:-1], bounds[1:])]
     pairs = [(n, c) for n, m in enumerate(counts) for c in range(m)]
     offsets = [0]
     for m in counts:
@@ -215,14 +215,14 @@ class Problem:
         self.N = self.B if cu_seqlens is None else cu_seqlens.numel() - 1
         self.cu_seqlens = cu_seqlens
         if cu_seqlens is None:
-            self.NT_seq = triton.cdiv(self.T, BT)
+            self.NT_seq = cdiv(self.T, BT)
             self.NT, self.chunk_indices, self.chunk_offsets = self.B * self.NT_seq, None, None
         else:
             self.NT_seq = 0
             self.chunk_indices, self.chunk_offsets, self.NT = varlen_tables(cu_seqlens)
         # tl.dot needs every dimension >= 16: narrower heads run in masked 16-wide blocks.
-        self.BK = max(16, triton.next_power_of_2(self.K))
-        self.BVmax = max(16, triton.next_power_of_2(self.V))
+        self.BK = max(16, next_pow2(self.K))
+        self.BVmax = max(16, next_pow2(self.V))
         self.dtype, self.device = q.dtype, q.device
         half = q.dtype in (torch.bfloat16, torch.float16)
         # float32 inputs: exact float32 products; 16-bit inputs: tf32 for the float32 operands. The score gradients
@@ -251,7 +251,7 @@ class Problem:
         """Whether state scans of bv value columns a program (N * HV * V / bv programs) fill every SM twice. The
         scan is sequential over chunks: for few long sequences, fewer and wider programs would leave SMs idle."""
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
-        return self.N * self.HV * triton.cdiv(self.V, bv) >= 2 * sms
+        return self.N * self.HV * cdiv(self.V, bv) >= 2 * sms
 
     def ptr(self, x):
         return self.dummy if x is None else x
@@ -353,7 +353,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     o = p.empty(B, T, HV, V, dtype=p.dtype) if fused else None
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
     BV = p.h_bv
-    chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV), p.N * HV)](
+    chunk_kda_fwd_h_kernel[(cdiv(V, BV), p.N * HV)](
         w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
         qg=qg, Aqk=Aqk, o=p.ptr(o),
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets),
@@ -426,7 +426,7 @@ def chunk_kda_bwd_pipeline(
     dvn = p.empty(B, T, HV, V, dtype=p.sdt)
     dh0 = p.empty(p.N, HV, K, V)
     BV = p.h_bv
-    chunk_kda_bwd_dh_kernel[(triton.cdiv(V, BV), p.N * HV)](
+    chunk_kda_bwd_dh_kernel[(cdiv(V, BV), p.N * HV)](
         qg=x.qg, kg=x.kg, w=x.w, Aqk=x.Aqk, decay=x.decay, do=do, dh=dh, dvn=dvn, dht=p.ptr(dht), dh0=dh0,
         cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale, T=T,
         HV=HV, K=K, V=V, BT=BT, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN, USE_FINAL_STATE_GRADIENT=dht is not None,
@@ -434,7 +434,7 @@ def chunk_kda_bwd_pipeline(
     )
 
     BKb = min(cfg.bwd_bk, p.BK)
-    NK = triton.cdiv(K, BKb)
+    NK = cdiv(K, BKb)
     BVb = min(cfg.bwd_bk, p.BVmax)
     stride_nk = B * T * HV
     dq_p, dk_p, dg_p = (p.empty(B, T, HV, K) for _ in range(3))

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import cast
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
 
 
@@ -152,9 +153,9 @@ BC_MAX = 512
 def launch_shape(x: torch.Tensor, rows: int) -> tuple[int, int, tuple[int, int, int]]:
     """(BT, BC, grid) for ``rows`` rows per batch row: BT the next power of two of rows, capped at BT_ROWS."""
     B, _, C = x.shape
-    BT = min(BT_ROWS, triton.next_power_of_2(max(rows, 1)))
-    BC = min(max(BC_CHANNELS, BT_ROWS * BC_CHANNELS // BT), BC_MAX, triton.next_power_of_2(C))
-    return BT, BC, (triton.cdiv(rows, BT), triton.cdiv(C, BC), B)
+    BT = min(BT_ROWS, next_pow2(max(rows, 1)))
+    BC = min(max(BC_CHANNELS, BT_ROWS * BC_CHANNELS // BT), BC_MAX, next_pow2(C))
+    return BT, BC, (cdiv(rows, BT), cdiv(C, BC), B)
 
 
 class ShortConvFunction(torch.autograd.Function):
@@ -215,9 +216,9 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
     weight = weight.contiguous()
     W = weight.shape[0]
     y = torch.empty(B, C, dtype=x.dtype, device=x.device)
-    BC = min(BC_DECODE, triton.next_power_of_2(C))
-    short_conv_decode_kernel[(B, triton.cdiv(C, BC))](
+    BC = min(BC_DECODE, next_pow2(C))
+    short_conv_decode_kernel[(B, cdiv(C, BC))](
         x=x2, w=weight, pool=conv_pool, index=index.contiguous(), y=y, C=C, sx=x2.stride(0), sp=conv_pool.stride(0),
-        W=W, WP=triton.next_power_of_2(W), BC=BC, num_warps=4, **pdl_args(x.device),
+        W=W, WP=next_pow2(W), BC=BC, num_warps=4, **pdl_args(x.device),
     )
     return y.view(x.shape)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .chunk_common import cast, mm
 from .device import num_sms
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
 
 LOG2E = 1.4426950408889634
@@ -240,11 +241,11 @@ def default_num_splits(batch: int, heads: int, max_blocks: int, block_size: int,
     256 rows at 4k, one split (no merge pass); 32 rows at 4k, 4 splits of 1k keys; 32 rows at 256k, 32 splits of
     8k keys; 256 rows of a 1M-token table (a serving engine's), 4 splits.
     """
-    programs = max(1, batch * triton.cdiv(heads, block_h))
+    programs = max(1, batch * cdiv(heads, block_h))
     max_len = max_blocks * block_size
-    long_row = min(triton.cdiv(max_len, MAX_SPLIT_KEYS), max(1, (LONG_ROW_PROGRAMS_PER_SM * sms) // programs))
+    long_row = min(cdiv(max_len, MAX_SPLIT_KEYS), max(1, (LONG_ROW_PROGRAMS_PER_SM * sms) // programs))
     want = max((per_sm * sms) // programs, long_row, 1)
-    most = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
+    most = max(1, cdiv(max_len, MIN_SPLIT_KEYS))
     return min(want, most, MAX_SPLITS)
 
 
@@ -282,7 +283,7 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
     if B == 0 or H == 0:
         return o, lse
-    BC, BR = max(16, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(R))
+    BC, BR = max(16, next_pow2(C)), max(16, next_pow2(R))
     prec = "ieee" if cache.dtype == torch.float32 else "tf32"     # 16-bit pools: tensor-core products either way
     single = NS == 1
     if single:
@@ -290,7 +291,7 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     else:
         o_part = torch.empty(B, H, NS, C, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, H, NS, dtype=torch.float32, device=q.device)
-    mla_decode_split_kernel[(triton.cdiv(H, BH), NS, B)](
+    mla_decode_split_kernel[(cdiv(H, BH), NS, B)](
         q, cache, block_table, seq_lens, o_part, lse_part, o, lse,
         scale * LOG2E, block_table.stride(0), H, NS, MB,
         C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
@@ -298,9 +299,9 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     )
     if not single:
         BV = min(MERGE_BV, BC)
-        mla_decode_merge_kernel[(triton.cdiv(C, BV), H, B)](
+        mla_decode_merge_kernel[(cdiv(C, BV), H, B)](
             o_part, lse_part, seq_lens, o, lse, H, NS, MB,
-            C=C, BS=BS, BN=BN, BV=BV, BSP=min(MERGE_BS, triton.next_power_of_2(NS)), num_warps=4,
+            C=C, BS=BS, BN=BN, BV=BV, BSP=min(MERGE_BS, next_pow2(NS)), num_warps=4,
             **pdl_args(q.device),
         )
     return o, lse

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .chunk_common import cast
 from .fastmath import INTERPRET
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2
 from .tma import tensor_descriptor_class, tma_supported
 
@@ -348,8 +349,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         slot_pair = one_token_slots(K, BM, x.device)
         NB = K
     else:
-        NB = triton.cdiv(M, BM) + min(E_all, M)
-        BE = triton.next_power_of_2(E_all + 1)
+        NB = cdiv(M, BM) + min(E_all, M)
+        BE = next_pow2(E_all + 1)
         cursor = torch.empty(BE, dtype=torch.int32, device=x.device)
         slot_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)
         moe_align_kernel[(1,)](ids, cursor, slot_pair, M, NB * BM, E, E_all, K_TOP=k, K_ALL=K, BM=BM, BE=BE, BS=256,
@@ -358,7 +359,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     d_w13, d_w2 = weight_descriptors(w13, w2, cfg)
 
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    NT1 = triton.cdiv(I, cfg.BN1)
+    NT1 = cdiv(I, cfg.BN1)
     moe_gate_up_kernel[(NB * NT1,)](
         x, w13, slot_pair, ids, h, M, W, I, E, NT1, x.stride(0), *w13.stride(), float(situ_beta),
         float(situ_linear_beta), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN1, BK=cfg.BK1, EVEN_K=W % cfg.BK1 == 0,
@@ -366,16 +367,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TMA=d_w13 is not None, num_warps=cfg.warps1, num_stages=cfg.stages1, **pdl_args(x.device),
     )
     y = torch.empty(M, W, dtype=torch.float32, device=x.device)
-    NT2 = triton.cdiv(W, cfg.BN2)
+    NT2 = cdiv(W, cfg.BN2)
     moe_down_kernel[(NB * NT2,)](
         h, w2, slot_pair, ids, weights, y, M, W, I, E, NT2, *w2.stride(), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN2,
         BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, d_w=w2 if d_w2 is None else d_w2,
         TMA=d_w2 is not None, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl_args(x.device),
     )
-    BW = min(1024, triton.next_power_of_2(W))
+    BW = min(1024, next_pow2(W))
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    moe_combine_kernel[(N, triton.cdiv(W, BW))](
+    moe_combine_kernel[(N, cdiv(W, BW))](
         y, ids, out if residual is None else residual, out, W, E, 0 if residual is None else residual.stride(0),
         K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4, **pdl_args(x.device),
     )
@@ -426,7 +427,7 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: 
     ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
     if N:
         sigmoid_topk_kernel[(N,)](logits, bias.float().contiguous(), weights, ids, E, float(scale), K_TOP=k,
-                                  BK=triton.next_power_of_2(k), BE=triton.next_power_of_2(E), RENORM=renormalize,
+                                  BK=next_pow2(k), BE=next_pow2(E), RENORM=renormalize,
                                   num_warps=1 if E <= 256 else 4, **pdl_args(logits.device))
     return weights, ids
 
@@ -478,7 +479,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, ROUTER_BN), triton.cdiv(E, ROUTER_BE))
+    grid = (cdiv(N, ROUTER_BN), cdiv(E, ROUTER_BE))
     router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), BN=ROUTER_BN,
                                BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device),
                                **prefetch_args(x.device, weight.stride(0) == D and D % 4 == 0

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
 
 
@@ -108,8 +109,8 @@ class GatedRMSNormFunction(torch.autograd.Function):
         _, H, D = o_t.shape
         N = o_t.shape[0] * H
         y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
-        BD = triton.next_power_of_2(D)
-        gated_rms_norm_fwd_kernel[(triton.cdiv(N, ROWS),)](
+        BD = next_pow2(D)
+        gated_rms_norm_fwd_kernel[(cdiv(N, ROWS),)](
             o=o_t, gate=g_t, w=weight, y=y, N=N, so_t=so_t, sg_t=sg_t, eps=eps, H=H, D=D, BR=ROWS, BD=BD,
             **pdl_args(o.device),
         )
@@ -126,11 +127,11 @@ class GatedRMSNormFunction(torch.autograd.Function):
         dy = dy.contiguous()
         do = torch.empty(shape, dtype=o_t.dtype, device=dy.device)
         dgate = torch.empty(shape, dtype=gate_dtype, device=dy.device)
-        NP = triton.cdiv(N, ROWS)
+        NP = cdiv(N, ROWS)
         dw_p = torch.empty(NP, D, dtype=torch.float32, device=dy.device)
         gated_rms_norm_bwd_kernel[(NP,)](
             o=o_t, gate=g_t, w=weight, dy=dy, do=do, dgate=dgate, dw_p=dw_p, N=N, so_t=so_t, sg_t=sg_t, eps=eps,
-            H=H, D=D, BR=ROWS, BD=triton.next_power_of_2(D),
+            H=H, D=D, BR=ROWS, BD=next_pow2(D),
         )
         return do, dgate, dw_p.sum(0).to(weight.dtype), None
 

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
 
 
@@ -42,8 +43,8 @@ def paged_decode_rows(block_table: torch.Tensor, slots: torch.Tensor, lens: torc
     table = torch.empty(B, MB, dtype=block_table.dtype, device=block_table.device)
     dst = torch.empty(B, dtype=torch.int64, device=block_table.device)
     seq_lens = torch.empty(B, dtype=torch.int32, device=block_table.device)
-    BM = min(4096, triton.next_power_of_2(MB))
-    paged_decode_rows_kernel[(B, triton.cdiv(MB, BM))](
+    BM = min(4096, next_pow2(MB))
+    paged_decode_rows_kernel[(B, cdiv(MB, BM))](
         block_table, slots.contiguous(), lens.contiguous(), table, dst, seq_lens, MB, block_table.stride(0),
         block_size, BM=BM, num_warps=4, **pdl_args(block_table.device),
     )

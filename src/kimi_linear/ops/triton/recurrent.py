@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_gate_params
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
 from .transforms import beta_transform, kda_gate, l2_normalize
 
@@ -130,8 +131,8 @@ def recurrent_block_v(programs_per_block: int, V: int) -> int:
     """Value columns per program: 32 (128-byte state rows) unless the grid would then have fewer than 256
     programs, then narrower. Swept on an H200 (H=32, V=128, CUDA graph): batch 1 BV 8/16/32/64 = 3.8/3.2/3.3/3.6
     us; batch 256 = 378/284/265/273 us."""
-    bv = min(32, triton.next_power_of_2(V))
-    while bv > 8 and programs_per_block * triton.cdiv(V, bv) < 256:
+    bv = min(32, next_pow2(V))
+    while bv > 8 and programs_per_block * cdiv(V, bv) < 256:
         bv //= 2
     return bv
 
@@ -186,10 +187,10 @@ def fused_recurrent_kda(
     if initial_state is not None and not initial_state.is_contiguous():
         raise ValueError("`initial_state` must be contiguous")
 
-    BK = triton.next_power_of_2(K)
+    BK = next_pow2(K)
     BV = block_v or recurrent_block_v(N * HV, V)
     dummy = o                                                 # stands in for absent pointers (never read)
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
     fused_recurrent_kda_fwd_kernel[grid](
         q, k, v, g, beta, o,
         initial_state if initial_state is not None else dummy,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import cast
+from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
 
 
@@ -80,10 +81,10 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     N = x_r.shape[0]
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else None
-    BD = triton.next_power_of_2(D)
+    BD = next_pow2(D)
     # a few rows per program when rows are short, so a program has at least ~2K elements of work
     BR = max(1, min(16, 2048 // BD))
-    rms_norm_kernel[(triton.cdiv(N, BR),)](
+    rms_norm_kernel[(cdiv(N, BR),)](
         x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, dst=x_r, N=N, sx=sx, sd=sd,
         sy=D, eps=eps, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
         num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device),
@@ -99,11 +100,11 @@ def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
     D = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    BD = triton.next_power_of_2(D)
+    BD = next_pow2(D)
     rms_norm_kernel[(N,)](
         x=x, delta=x, w=weight.contiguous(), y=out, s=out, dst=rows.contiguous(), N=N, sx=x.stride(0), sd=0,
         sy=out.stride(0), eps=eps, D=D, BR=1, BD=BD, HAS_DELTA=False, SCATTER=True, TAIL=W - D,
-        BT=max(1, triton.next_power_of_2(W - D)), num_warps=max(1, min(8, BD // 256)), **pdl_args(x.device),
+        BT=max(1, next_pow2(W - D)), num_warps=max(1, min(8, BD // 256)), **pdl_args(x.device),
     )
 
 
