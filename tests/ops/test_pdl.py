@@ -5,6 +5,8 @@ import torch
 
 from kimi_linear.ops.triton import pdl
 
+from .sm90 import build_sm90
+
 
 def test_pdl_off_on_cpu_even_when_enabled(monkeypatch):
     assert pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
@@ -43,6 +45,4 @@ print("BUILT")
 def test_router_prefetch_builds_for_sm90(tmp_path):
     """The L2 prefetch is inline PTX that the interpreter never runs: build the router kernel with it for sm_90
     (tests/ops/sm90.py), so a syntax or operand error fails here rather than on the first GPU."""
-    from .sm90 import build_sm90
-
     build_sm90(BUILD_SM90, tmp_path)
