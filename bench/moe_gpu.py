@@ -73,18 +73,24 @@ def table(title: str, rows: list[dict]) -> None:
 
 
 class Setup:
-    """One MoE layer of E experts [2I, W] / [W, I] (bf16, packed), no shared expert, and float32 copies of its
-    stacked weights for the reference."""
+    """One MoE layer of E experts [2I, W] / [W, I] (bf16, packed), with ``shared`` (0 or 1) shared experts stacked
+    after them as the layer packs them (one more pair per token in the fused op: Kimi Linear's layers have one),
+    and float32 copies of its stacked weights for the reference."""
 
-    def __init__(self, E: int, W: int, I: int, k: int, device: str, seed: int = 0) -> None:
+    def __init__(self, E: int, W: int, I: int, k: int, device: str, seed: int = 0, shared: int = 0) -> None:
         self.E, self.W, self.I, self.k, self.device = E, W, I, k, device
         with torch.device(device):
-            moe = SparseMoE(W, I, E, k, num_shared_experts=0, routed_scaling_factor=2.446)
+            moe = SparseMoE(W, I, E, k, num_shared_experts=shared, routed_scaling_factor=2.446)
         moe.experts.to(torch.bfloat16)
+        if moe.shared_experts is not None:
+            moe.shared_experts.to(torch.bfloat16)
         moe.pack()
         moe.requires_grad_(False).eval()
         self.moe = moe
-        self.w13, self.w2, _ = moe._packed_experts()        # no shared expert here (num_shared_experts=0)
+        self.w13, self.w2, stacked = moe._packed_experts()
+        self.shared = int(stacked)
+        if self.shared != shared:
+            raise RuntimeError(f"the layer stacked {self.shared} shared experts, asked for {shared}")
         self.gen = torch.Generator(device).manual_seed(seed)
         with torch.no_grad():
             self.w13.copy_(self.randn(self.w13.shape) / W**0.5)
@@ -108,10 +114,18 @@ class Setup:
         return weights, ids
 
     def distinct_bytes(self, ids: torch.Tensor) -> int:
-        return int(ids.unique().numel()) * 3 * self.W * self.I * self.w13.element_size()
+        return (int(ids.unique().numel()) + self.shared) * 3 * self.W * self.I * self.w13.element_size()
+
+    def op(self, x, weights, ids, fn=fused_moe, **kw) -> torch.Tensor:
+        """``fn`` (the public op by default) on this layer's stacked experts."""
+        return fn(x, self.w13, self.w2, weights, ids, num_shared=self.shared, **kw)
+
+    def table_launch(self, N: int) -> MoELaunch:
+        """The launch the op picks for N tokens (the shared experts are pairs and experts of their own)."""
+        return moe_launch(N, self.k + self.shared, self.E + self.shared, self.W, self.I, torch.bfloat16)
 
     def reference(self, x, weights, ids, **act) -> torch.Tensor:
-        return fused_moe_torch(x.float(), self.w13f, self.w2f, weights, ids, **act)
+        return fused_moe_torch(x.float(), self.w13f, self.w2f, weights, ids, num_shared=self.shared, **act)
 
 
 # ---------------------------------------------------------------------------------------------------- timing
@@ -189,9 +203,9 @@ def check_routings(s: Setup, Ns: list[int], modes: list[str], act: dict) -> bool
             x = s.randn((N, s.W))
             weights, ids = s.routing(N, mode)
             with torch.inference_mode():
-                ours = fused_moe(x, s.w13, s.w2, weights, ids, **act)
+                ours = s.op(x, weights, ids, **act)
                 ref = s.reference(x, weights, ids, **act)
-                torch_bf16 = fused_moe_torch(x, s.w13, s.w2, weights, ids, **act)
+                torch_bf16 = s.op(x, weights, ids, fn=fused_moe_torch, **act)
             err = rel(ours, ref)
             ok = err < BAR and bool(torch.isfinite(ours).all())
             ok_all &= ok
@@ -213,7 +227,7 @@ def check_graph(s: Setup, Ns: list[int]) -> bool:
         x = s.randn((N, s.W))
         weights, ids = s.routing(N, "random")
         with torch.inference_mode():
-            replay, out = capture(partial(fused_moe, x, s.w13, s.w2, weights, ids), s.device)
+            replay, out = capture(partial(s.op, x, weights, ids), s.device)
             for mode in ("random", "idle", "one"):
                 w_new, ids_new = s.routing(N, mode)
                 x.copy_(s.randn((N, s.W)))
@@ -221,7 +235,7 @@ def check_graph(s: Setup, Ns: list[int]) -> bool:
                 ids.copy_(ids_new)
                 replay()
                 sync(s.device)
-                eager = fused_moe(x, s.w13, s.w2, weights, ids)
+                eager = s.op(x, weights, ids)
                 err = rel(out, s.reference(x, weights, ids))
                 ok = bool(torch.equal(out, eager)) and err < BAR
                 ok_all &= ok
@@ -272,8 +286,8 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
         x = s.randn((N, s.W))
         weights, ids = s.routing(N, "random")
         nbytes = s.distinct_bytes(ids)
-        flops = 2 * N * s.k * 3 * s.W * s.I
-        ours = partial(fused_moe, x, s.w13, s.w2, weights, ids)
+        flops = 2 * N * (s.k + s.shared) * 3 * s.W * s.I
+        ours = partial(s.op, x, weights, ids)
         with torch.inference_mode():
             ours_g = time_graph(ours, s.device, reps)
             ours_e = time_eager(ours, s.device, reps)
@@ -287,7 +301,7 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
              "ours eager us": ours_e, "dense graph us": dense, "loop eager us": looped,
              "x vs dense": dense / ours_g if dense else None, "x vs loop": looped / ours_g,
              "launch": "BM{BM} BN{BN1}/{BN2} BK{BK1}/{BK2} w{warps1}/{warps2} s{stages1}/{stages2} tma {tma}".format(
-                 **asdict(moe_launch(N, s.k, s.E, s.W, s.I, torch.bfloat16)))}
+                 **asdict(s.table_launch(N)))}
         rows.append(r)
         say(json.dumps(r))
     table(f"time: routed experts, bf16, W={s.W} I={s.I} k={s.k} E={s.E} (median of CUDA-event timings)", rows)
@@ -301,7 +315,7 @@ SWEEP = dict(tma=[False, True], BM=[16, 32, 64, 128], BN1=[32, 64, 128], BK1=[64
 
 def time_sweep_point(s: Setup, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reps: int,
                      cfg: MoELaunch) -> float:
-    return time_graph(partial(tri_fused_moe, x, s.w13, s.w2, weights, ids, launch=cfg), s.device, reps)
+    return time_graph(partial(s.op, x, weights, ids, fn=tri_fused_moe, launch=cfg), s.device, reps)
 
 
 def time_or_skip(timed: Callable[[MoELaunch], float], cfg: MoELaunch) -> float | None:
@@ -317,7 +331,7 @@ def best_error(s: Setup, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
                best: MoELaunch) -> float:
     """The search's best shape against the reference (relative error)."""
     with torch.inference_mode():
-        return rel(tri_fused_moe(x, s.w13, s.w2, weights, ids, launch=best), ref)
+        return rel(s.op(x, weights, ids, fn=tri_fused_moe, launch=best), ref)
 
 
 def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
@@ -332,7 +346,7 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
 
         timed = partial(time_sweep_point, s, x, weights, ids, reps)
 
-        start = moe_launch(N, s.k, s.E, s.W, s.I, torch.bfloat16)
+        start = s.table_launch(N)
         best, best_t = start, timed(start)
         t0 = best_t
         for field, values in space.items():
@@ -358,7 +372,7 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
 
 # --grid: each kernel's fields jointly (a coordinate search moves one field at a time and can miss pairs that only
 # pay together, e.g. fewer stages so that two programs share an SM, with the tile size that fills the grid then)
-GRID = dict(BN1=[32, 64, 128], BK1=[128, 256], stages1=[2, 3, 4]), dict(BN2=[32, 64, 128], BK2=[128, 256],
+GRID = dict(BN1=[16, 32, 64, 128], BK1=[128, 256], stages1=[2, 3, 4]), dict(BN2=[16, 32, 64, 128], BK2=[128, 256],
                                                                           stages2=[2, 3, 4])
 
 
@@ -374,9 +388,9 @@ def grid(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
         x = s.randn((N, s.W))
         weights, ids = s.routing(N, "random")
         ref = s.reference(x, weights, ids)
-        best = moe_launch(N, s.k, s.E, s.W, s.I, torch.bfloat16)
+        best = s.table_launch(N)
         best_t = time_sweep_point(s, x, weights, ids, reps, best)
-        blocks = s.k if N == 1 else None          # the one-token layout: one block a pair (no shared expert here)
+        blocks = s.k + s.shared if N == 1 else None     # the one-token layout: one block a pair
         for space in GRID:
             space = {k: v[:2] for k, v in space.items()} if smoke else space
             start = best
@@ -413,6 +427,9 @@ def main() -> int:
                    help="every launch with pointer loads of the weights instead of the TMA descriptors "
                         "(MoELaunch.tma=False), checks included: the A/B of the default")
     p.add_argument("--E", default=None, help="comma-separated expert counts (default 32,256; sweep: 256)")
+    p.add_argument("--shared", type=int, choices=(0, 1), default=1,
+                   help="shared experts stacked after the routed ones, one more pair per token (default 1, as in "
+                        "Kimi Linear's MoE layers; 0: routed experts alone, the tables before 2026-12-04)")
     p.add_argument("--N", default=None, help="comma-separated token counts (default 1,8,32,128,256,2048; "
                                               "sweep: 1,32,256)")
     a = p.parse_args()
@@ -443,7 +460,7 @@ def main() -> int:
     ok = True
     if a.sweep or a.grid:
         for E in ints(a.E) if a.E else sweep_Es:
-            s = Setup(E, W, I, k, device)
+            s = Setup(E, W, I, k, device, shared=a.shared)
             ok &= (grid if a.grid else sweep)(s, ints(a.N) if a.N else sweep_Ns, max(reps // 2, 1), a.smoke)
             del s
     else:
@@ -452,7 +469,7 @@ def main() -> int:
             say(f"copy bandwidth: {bw:.2f} TB/s")
         Es, Ns = ints(a.E) if a.E else Es, ints(a.N) if a.N else Ns
         for E in Es:
-            s = Setup(E, W, I, k, device)
+            s = Setup(E, W, I, k, device, shared=a.shared)
             ok &= check_routings(s, Ns, ["random", "idle", "one"], {})
             if E == Es[-1]:
                 situ = {"activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
