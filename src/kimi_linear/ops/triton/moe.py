@@ -77,7 +77,14 @@ def moe_launch(N: int, k: int, E: int, W: int, I: int, dtype: torch.dtype) -> Mo
     ``N k / E`` tokens (Poisson spread), so BM grows with that mean. Not yet tuned on a GPU:
     ``bench/moe_gpu.py --sweep`` times alternatives."""
     mean = N * k / E
-    if mean <= 8:
+    if N == 1:
+        # the one-token layout (one block a pair): H200, 2026-12-04, the 48B-shaped decode step at batch 1 (9 pairs
+        # with the shared expert), kernel times under the profiler, two rounds: gate/up 25.6 -> 24.0 us a call at 3
+        # stages against 4, down 13.3 -> 12.7 (BK 64 at 4-8 stages, BN 128, 8 warps, BN 16-32: all slower); TPOT,
+        # means of two rounds, engine 0.941 -> 0.931 ms at 4k of context and 1.058 -> 1.047 at 128k, generate
+        # 0.946 -> 0.934 and 1.056 -> 1.036
+        cfg = MoELaunch(BM=16, BN1=64, BK1=128, warps1=4, stages1=3, BN2=64, BK2=128, warps2=4, stages2=3)
+    elif mean <= 8:
         cfg = MoELaunch(BM=16, BN1=64, BK1=128, warps1=4, stages1=4, BN2=64, BK2=128, warps2=4, stages2=4)
     elif mean <= 20:
         cfg = MoELaunch(BM=32, BN1=64, BK1=128, warps1=4, stages1=4, BN2=64, BK2=128, warps2=4, stages2=4)
