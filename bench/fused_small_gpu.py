@@ -1,5 +1,6 @@
-"""The decode step's small fused kernels on the GPU (issue 18): RMSNorm, residual add + RMSNorm, and the in-place
-decode short conv, against the PyTorch paths they replace; then their times.
+"""The decode step's small fused kernels on the GPU (issue 18): RMSNorm, residual add + RMSNorm, the in-place
+decode short conv, and the step's float32 logits with their greedy tokens, against the PyTorch paths they replace;
+then their times.
 
 (a) Checks (bf16 and float32; batch 1 and 128; hidden 2304 and MLA's latent 512; q|k|v conv C = 3*32*128 = 12288,
     W = 4): ``rms_norm`` / ``add_rms_norm`` against ``rms_norm_torch`` (the layer's PyTorch path): the sum must be
@@ -12,6 +13,9 @@ decode short conv, against the PyTorch paths they replace; then their times.
     max |error| / max |y| <= 2^-8 (bf16) / 1e-6 (float32): a W-term float32 sum in another order, which cancels
     to near zero at some elements, so no elementwise bar. Each kernel captured in a CUDA graph and replayed
     equals eager (the scratch slot, raced by the padding rows, left out).
+    ``logits_and_greedy`` (bf16 and float32 logits, batch 1, 8 and 256, vocabulary 163,840) against its PyTorch
+    path: float32 logits and ids bit-equal, on rows with the maximum tied inside one chunk of the kernel and across
+    chunks (the first index wins), a NaN (-1), all -inf (0) and +inf twice; captured and replayed equals eager.
 (b) Timings in microseconds per call, 20 calls captured in one CUDA graph (the decode step's setting: no launch
     overhead from the host), median over repetitions: ours vs the PyTorch path; for the conv also the prefill
     kernel alone at T = 1 with its old [32, 64] tile and with the T-sized tile it now picks.
@@ -34,8 +38,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kimi_linear.ops.triton.conv as tri_conv
 from kimi_linear.ops.conv import short_conv
+from kimi_linear.ops.greedy import logits_and_greedy_torch
 from kimi_linear.ops.rms_norm import rms_norm_torch
-from kimi_linear.ops.triton import add_rms_norm, rms_norm, short_conv_decode
+from kimi_linear.ops.triton import add_rms_norm, logits_and_greedy, rms_norm, short_conv_decode
 from moe_gpu import capture, time_eager  # noqa: E402  (a sibling bench script: the graph capture it times with)
 
 CALLS = 20          # calls per captured graph
@@ -199,6 +204,39 @@ def convs(device: str, dtypes: list[torch.dtype], batches: list[int], C: int, W:
     table(f"Decode short conv: microseconds per call ({CALLS} calls in one CUDA graph)", times)
 
 
+def greedy_rows(B: int, V: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+    """B >= 5 rows of logits (B < 5: the first B): random; the maximum tied at three columns, two of them in one
+    4096-wide chunk of the kernel; a NaN; all -inf; +inf twice."""
+    x = torch.randn(max(B, 5), V, generator=gen, device=device).to(dtype)
+    top = x.float().max() + 1
+    for j in (V // 3, V // 3 + 7, V - 2):
+        x[1, j] = top
+    x[2, V // 2] = float("nan")
+    x[3] = float("-inf")
+    x[4, 1], x[4, V - 1] = float("inf"), float("inf")
+    return x[:B]
+
+
+def greedy(device: str, dtypes: list[torch.dtype], batches: list[int], V: int, reps: int) -> None:
+    checks, times = [], []
+    gen = torch.Generator(device=device).manual_seed(2)
+    for dtype in dtypes:
+        for B in batches:
+            x = greedy_rows(B, V, dtype, device, gen)
+            (lg, ids), (lg_ref, ids_ref) = logits_and_greedy(x), logits_and_greedy_torch(x)
+            eq = torch.equal(ids, ids_ref) and torch.equal(lg.nan_to_num(), lg_ref.nan_to_num())
+            ok = eq and graph_equals_eager(lambda x=x: logits_and_greedy(x), [x], device)
+            name = f"greedy {str(dtype)[6:]} B={B} V={V}"
+            checks.append({"case": name, "ids and logits equal": eq, "first rows' ids": str(ids[:5].tolist()),
+                           "check": verdict(name, ok)})
+            if dtype == torch.bfloat16 or device != "cuda":
+                times.append({"case": f"{str(dtype)[6:]} B={B} V={V}",
+                              "ours us": time_us(lambda x=x: logits_and_greedy(x), device, reps),
+                              "torch path us": time_us(lambda x=x: logits_and_greedy_torch(x), device, reps)})
+    table("Float32 logits and greedy ids: checks (bit-equal to the PyTorch path)", checks)
+    table(f"Float32 logits and greedy ids: microseconds per call ({CALLS} calls in one CUDA graph)", times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
@@ -210,6 +248,7 @@ def main() -> None:
         device, dtypes, reps = "cpu", [torch.float32], 1
         norms(device, dtypes, [1, 5], [48], reps)
         convs(device, dtypes, [1, 5], 300, 4, reps)
+        greedy(device, dtypes, [1, 5], 300, reps)
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device (use --smoke on CPU)")
@@ -217,6 +256,7 @@ def main() -> None:
         say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         norms(device, dtypes, [1, 128, 4096], [2304, 512], reps)
         convs(device, dtypes, [1, 128], 3 * 32 * 128, 4, reps)
+        greedy(device, dtypes, [1, 8, 256], 163840, reps)
     say("\nALL PASS" if not FAILED else f"\nFAIL: {', '.join(FAILED)}")
     sys.exit(1 if FAILED else 0)
 
