@@ -82,6 +82,23 @@ def test_kda_ab_smoke(tmp_path):
     assert "- HEAD: PASS" in done.stdout and "- broken: FAIL" in done.stdout
 
 
+def test_decode_ab_smoke(tmp_path):
+    """bench/decode_ab.py: ``run --smoke --generate`` times every prepared tree's engine and generate steps in a
+    process of its own; a tree whose package cannot run gives no rows, says why and makes the run fail."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    ab = [sys.executable, str(ROOT / "bench" / "decode_ab.py")]
+    subprocess.run([*ab, "prepare", "HEAD", "--into", str(tmp_path)], check=True, cwd=ROOT, env=env)
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(tmp_path / "HEAD"), str(broken)], check=True)
+    (broken / "src" / "kimi_linear" / "model" / "paged.py").write_text("raise ImportError('broken tree')\n")
+    done = subprocess.run([*ab, "run", str(tmp_path), "--rounds", "1", "--smoke", "--generate"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 1 and "broken tree" in done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| HEAD |"))
+    assert row.count("(") == 2                                   # engine and generate at the smoke context
+    assert "| broken |  |  |" in done.stdout
+
+
 def load_kda_ab():
     import importlib.util
 
