@@ -26,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from kda_ab import prepare  # noqa: E402  (a sibling bench script: the same export of src/ per revision)
+from kda_ab import prepare, prepare_parser  # noqa: E402  (a sibling bench script: the same export of src/ per revision)
 
 TAG = "DECODE_AB "          # the prefix of a measurement line a tree's process prints
 
@@ -95,10 +95,7 @@ def run(into: str, rounds: int, contexts: list[int], steps: int, generate: bool,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="export src/ of git revisions (here)")
-    p.add_argument("revs", nargs="+")
-    p.add_argument("--into", default=".gl/dab")
-    p.add_argument("--name", default="", help="the tree's folder name (one revision; default the revision)")
+    prepare_parser(sub, ".gl/dab")
     for name in ("run", "measure"):
         r = sub.add_parser(name, help="time every prepared tree (GPU)" if name == "run" else
                            "time this process's package (run starts it per tree)")

@@ -145,13 +145,19 @@ def merged(files: list[str]) -> dict[str, list[dict]]:
     return runs
 
 
+def prepare_parser(sub: argparse._SubParsersAction, into: str) -> argparse.ArgumentParser:
+    """The ``prepare`` subcommand's arguments (this script's and bench/decode_ab.py's), trees into ``into``."""
+    p = sub.add_parser("prepare", help="export src/ of git revisions (here)")
+    p.add_argument("revs", nargs="+")
+    p.add_argument("--into", default=into)
+    p.add_argument("--name", default="", help="the tree's folder name (one revision; default the revision)")
+    return p
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="export src/ of git revisions (here)")
-    p.add_argument("revs", nargs="+")
-    p.add_argument("--into", default=".gl/ab")
-    p.add_argument("--name", default="", help="the tree's folder name (one revision; default the revision)")
+    p = prepare_parser(sub, ".gl/ab")
     p.add_argument("--config", default="", metavar="JSON", help="LaunchConfig fields the tree runs under")
     r = sub.add_parser("run", help="profile every prepared tree (GPU)")
     r.add_argument("into", nargs="?", default=".gl/ab")
