@@ -74,8 +74,9 @@ def moe_launch(N: int, k: int, E: int, W: int, I: int, dtype: torch.dtype) -> Mo
 
     While the step is bound by weight bandwidth (up to thousands of pairs for E = 256), a block should hold all
     of an expert's tokens: its weights are then read once. With balanced routing an expert gets about
-    ``N k / E`` tokens (Poisson spread), so BM grows with that mean. Not yet tuned on a GPU:
-    ``bench/moe_gpu.py --sweep`` times alternatives."""
+    ``N k / E`` tokens (Poisson spread), so BM grows with that mean. One token has a row of its own, timed in the
+    decode step on the H200; the others are not yet tuned on a GPU (``bench/moe_gpu.py --sweep`` / ``--grid`` time
+    alternatives)."""
     mean = N * k / E
     if N == 1:
         # the one-token layout (one block a pair): H200, 2026-12-04, the 48B-shaped decode step at batch 1 (9 pairs
