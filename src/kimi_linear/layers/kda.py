@@ -224,10 +224,8 @@ class KimiDeltaAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
-        project: bool = True,
     ) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D] (``project=False``: the input of o_proj, [B, T, H d], for a caller that folds
-        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`).
+        """x: [B, T, D] -> [B, T, D].
 
         cu_seqlens: [N+1] offsets of documents packed into one row (B == 1, no state): neither the conv window nor
             the recurrent memory crosses a document boundary.
@@ -286,4 +284,4 @@ class KimiDeltaAttention(nn.Module):
         elif isinstance(state, VarlenKDAState):
             state.rec_pool.index_copy_(0, state.index, final)
         o = self.o_norm(o, gate).reshape(B, T, H * d)
-        return self.o_proj(o) if project else o
+        return self.o_proj(o)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi_linear.ops import absorb_query, expand_values, paged_mla_decode
+from kimi_linear.ops import paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
 from kimi_linear.ops.paged import pool_rows
 from kimi_linear.ops.rms_norm import rms_norm_write
@@ -227,10 +227,8 @@ class NoPEMLA(nn.Module):
         cache: LatentCache | PagedLatentView | PagedPrefillView | VarlenLatents | None = None,
         attn_mask: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
-        project: bool = True,
     ) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D] (``project=False``: the input of o_proj, [B, T, H v], for a caller that folds
-        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`).
+        """x: [B, T, D] -> [B, T, D].
 
         cache: appended to in place when given. attn_mask: bool [B, 1, T, L] (True = may attend) over all L cached
             keys, or None for a plain causal mask with no past and no padding (the model builds it).
@@ -250,7 +248,7 @@ class NoPEMLA(nn.Module):
                                  f"parallelism, got T={T}")
             cache.write_normed(kv[:, 0], self.kv_a_layernorm)
             out = self._paged(q, cache)
-            return self._output(out, gate, project)
+            return self._output(out, gate)
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
         if isinstance(cache, VarlenLatents):
@@ -266,16 +264,15 @@ class NoPEMLA(nn.Module):
             out = self._chunked(q, entry, cache.past, cache.read)
         else:
             out = self._dense(q, entry, cache, attn_mask, context_parallel)
-        return self._output(out, gate, project)
+        return self._output(out, gate)
 
-    def _output(self, out: torch.Tensor, gate: torch.Tensor | None, project: bool = True) -> torch.Tensor:
-        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate (``g_proj(x)``), o_proj
-        (unless not ``project``)."""
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate (``g_proj(x)``), o_proj."""
         B, H, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if gate is not None:
             out = (upcast(out) * torch.sigmoid(upcast(gate))).to(out.dtype)
-        return self.o_proj(out) if project else out
+        return self.o_proj(out)
 
     def _dense(self, q: torch.Tensor, entry: torch.Tensor, cache: LatentCache | None,
                attn_mask: torch.Tensor | None, context_parallel: ContextParallel | None) -> torch.Tensor:
@@ -360,11 +357,10 @@ class NoPEMLA(nn.Module):
     def _paged(self, q: torch.Tensor, view: PagedLatentView) -> torch.Tensor:
         """The absorbed step over a paged pool (the new entries already written). q: [B, H, 1, qk]. Returns
         [B, H, 1, v]."""
-        w_k, w_v = self._head_weights()
-        q_lat = absorb_query(q[:, :, 0], w_k)                                       # [B, H, C + rope]
-        ctx = paged_mla_decode(q_lat, view.data, view.block_table, view.seq_lens, self.scale,
-                               self.kv_lora_rank, num_splits=view.num_splits)     # [B, H, C]
-        return expand_values(ctx, w_v)[:, :, None]
+        q_lat, w_v = self._latent_query(q)
+        ctx = paged_mla_decode(q_lat[:, :, 0], view.data, view.block_table, view.seq_lens, self.scale,
+                               self.kv_lora_rank, num_splits=view.num_splits)                 # [B, H, C]
+        return torch.einsum("bhc,hvc->bhv", ctx, w_v)[:, :, None]
 
     def _varlen(self, q: torch.Tensor, entry: torch.Tensor, cache: VarlenLatents) -> torch.Tensor:
         """Packed sequences, each over its own past and new entries. q: [1, H, T, qk]; entry: [1, T, 576]. Returns
@@ -391,14 +387,11 @@ class NoPEMLA(nn.Module):
             out[~one] = self._expanded(qp[~one], keys[~one], mask[~one])
         return out.transpose(0, 1)[:, valid][None]                                 # [1, H, T, v]
 
-    def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's weight per head: (W_k [H, nope, C], W_v [H, v, C]), views."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope], w[:, self.nope :]
-
     def _latent_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, H, T, qk] -> (the absorbed query [B, H, T, C + rope] = [q_nope W_k | q_rope], W_v [H, v, C])."""
-        w_k, w_v = self._head_weights()                                             # [H, nope|v, C]
+        H = self.num_heads
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope :]                            # [H, nope|v, C]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         # [B, H, T, C | rope]: the query expressed in the cache's own coordinates.
         return torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1), w_v
