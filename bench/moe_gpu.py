@@ -11,8 +11,9 @@
 (b) Timings, median over repetitions timed with CUDA events: ours in a CUDA graph (the decode engine's case) and
     eagerly; the dense static dispatch that CUDA graphs ran before (``SparseMoE._dense``, every expert on every
     row; up to N = 256) in a graph; the per-expert loop (``SparseMoE._one_token`` / ``_dispatch``, reads the
-    routing on the host) eagerly. Weight bandwidth = bytes of the distinct experts the routing chose / time,
-    against the measured copy bandwidth and the card's ~4.2 TB/s; TFLOP/s = 2 N k 3 W I / time.
+    routing on the host) eagerly; those two with the shared expert's PyTorch MLP added, as the layer adds it.
+    Weight bandwidth = bytes of the distinct experts the routing chose (and the shared one) / time, against the
+    measured copy bandwidth and the card's ~4.2 TB/s; TFLOP/s = 2 N (k + shared) 3 W I / time.
 (c) ``--sweep``: a coordinate search over the launch shape (``MoELaunch``) at a few shapes, starting from the
     table (``moe_launch``); prints the best shape found per case, checked against the reference.
 
@@ -280,6 +281,14 @@ def loop_path(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch
     return out
 
 
+def plus_shared(s: Setup, routed: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """A routed-only path's output plus the shared expert's, as the layer adds it: the same work as the fused op,
+    which runs the shared expert as one more pair."""
+    out = routed(s.moe, x, weights, ids)
+    return out + s.moe.shared_experts(x) if s.shared else out
+
+
 def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None:
     rows = []
     for N in Ns:
@@ -291,9 +300,9 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
         with torch.inference_mode():
             ours_g = time_graph(ours, s.device, reps)
             ours_e = time_eager(ours, s.device, reps)
-            dense = (time_graph(partial(s.moe._dense, x, weights, ids), s.device, max(3, reps // 4))
-                     if N <= dense_max else None)
-            looped = time_eager(partial(loop_path, s.moe, x, weights, ids), s.device, max(3, reps // 4))
+            dense = (time_graph(partial(plus_shared, s, SparseMoE._dense, x, weights, ids), s.device,
+                                max(3, reps // 4)) if N <= dense_max else None)
+            looped = time_eager(partial(plus_shared, s, loop_path, x, weights, ids), s.device, max(3, reps // 4))
         gbs = nbytes / ours_g / 1e3
         r = {"E": s.E, "N": N, "experts read": int(ids.unique().numel()), "weights MB": nbytes / 1e6,
              "ours graph us": ours_g, "GB/s": gbs, "% copy bw": 100 * gbs / 1e3 / bw if bw else None,
@@ -304,7 +313,8 @@ def bench(s: Setup, Ns: list[int], bw: float, reps: int, dense_max: int) -> None
                  **asdict(s.table_launch(N)))}
         rows.append(r)
         say(json.dumps(r))
-    table(f"time: routed experts, bf16, W={s.W} I={s.I} k={s.k} E={s.E} (median of CUDA-event timings)", rows)
+    table(f"time: routed experts{' and the shared one' if s.shared else ''}, bf16, W={s.W} I={s.I} k={s.k} E={s.E} "
+          "(median of CUDA-event timings)", rows)
     ROWS.extend(dict(bench="moe", **r) for r in rows)
 
 
@@ -372,8 +382,8 @@ def sweep(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
 
 # --grid: each kernel's fields jointly (a coordinate search moves one field at a time and can miss pairs that only
 # pay together, e.g. fewer stages so that two programs share an SM, with the tile size that fills the grid then)
-GRID = dict(BN1=[16, 32, 64, 128], BK1=[128, 256], stages1=[2, 3, 4]), dict(BN2=[16, 32, 64, 128], BK2=[128, 256],
-                                                                          stages2=[2, 3, 4])
+GRID = (dict(BN1=[16, 32, 64, 128], BK1=[128, 256], stages1=[2, 3, 4]),
+        dict(BN2=[16, 32, 64, 128], BK2=[128, 256], stages2=[2, 3, 4]))
 
 
 def grid(s: Setup, Ns: list[int], reps: int, smoke: bool) -> bool:
