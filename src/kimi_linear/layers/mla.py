@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi_linear.ops import paged_mla_decode
+from kimi_linear.ops import absorb_query, expand_values, paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
 from kimi_linear.ops.paged import pool_rows
 from kimi_linear.ops.rms_norm import rms_norm_write
@@ -357,10 +357,11 @@ class NoPEMLA(nn.Module):
     def _paged(self, q: torch.Tensor, view: PagedLatentView) -> torch.Tensor:
         """The absorbed step over a paged pool (the new entries already written). q: [B, H, 1, qk]. Returns
         [B, H, 1, v]."""
-        q_lat, w_v = self._latent_query(q)
-        ctx = paged_mla_decode(q_lat[:, :, 0], view.data, view.block_table, view.seq_lens, self.scale,
-                               self.kv_lora_rank, num_splits=view.num_splits)                 # [B, H, C]
-        return torch.einsum("bhc,hvc->bhv", ctx, w_v)[:, :, None]
+        w_k, w_v = self._head_weights()
+        q_lat = absorb_query(q[:, :, 0], w_k)                                       # [B, H, C + rope]
+        ctx = paged_mla_decode(q_lat, view.data, view.block_table, view.seq_lens, self.scale,
+                               self.kv_lora_rank, num_splits=view.num_splits)     # [B, H, C]
+        return expand_values(ctx, w_v)[:, :, None]
 
     def _varlen(self, q: torch.Tensor, entry: torch.Tensor, cache: VarlenLatents) -> torch.Tensor:
         """Packed sequences, each over its own past and new entries. q: [1, H, T, qk]; entry: [1, T, 576]. Returns
@@ -387,11 +388,14 @@ class NoPEMLA(nn.Module):
             out[~one] = self._expanded(qp[~one], keys[~one], mask[~one])
         return out.transpose(0, 1)[:, valid][None]                                 # [1, H, T, v]
 
+    def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight per head: (W_k [H, nope, C], W_v [H, v, C]), views."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
     def _latent_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, H, T, qk] -> (the absorbed query [B, H, T, C + rope] = [q_nope W_k | q_rope], W_v [H, v, C])."""
-        H = self.num_heads
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
-        w_k, w_v = w[:, : self.nope], w[:, self.nope :]                            # [H, nope|v, C]
+        w_k, w_v = self._head_weights()                                             # [H, nope|v, C]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         # [B, H, T, C | rope]: the query expressed in the cache's own coordinates.
         return torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1), w_v

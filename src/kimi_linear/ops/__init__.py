@@ -8,6 +8,7 @@ from .conv import short_conv
 from .gate import fused_kda_gate, l2norm
 from .greedy import logits_and_greedy
 from .mla_decode import paged_mla_decode
+from .mla_heads import absorb_query, expand_values
 from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
 from .paged import paged_decode_rows
@@ -18,10 +19,12 @@ from .rms_norm import add_rms_norm, rms_norm_write  # (rms_norm itself: kimi_lin
 __all__ = [
     "CHUNK_SIZE",
     "KDAShape",
+    "absorb_query",
     "add_rms_norm",
     "check_kda_inputs",
     "chunk_gated_delta_rule",
     "chunk_kda",
+    "expand_values",
     "fused_kda_gate",
     "fused_moe",
     "fused_recurrent_kda",
