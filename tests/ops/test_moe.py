@@ -387,3 +387,50 @@ def test_triton_weight_descriptors(N, E, k, S, W, I, launch, dtype, monkeypatch)
     w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)
     got_t = triton_moe(x, w13_t, w2, tw, ids, launch=cfg, num_shared=S)
     assert built[-1][0] is None and rel_err(got_t, want) < BARS[dtype]
+
+
+def test_prefetch_shares_cover_the_tensor_once():
+    """Each router program's share of the tensor asked into L2: 16-byte pieces that cover [0, nbytes) exactly."""
+    from kimi_linear.ops.triton.moe import prefetch_share
+
+    for nbytes, programs in [(9_437_184, 16), (16, 16), (48, 5), (4_718_592, 7), (0, 3)]:
+        share = prefetch_share(nbytes, programs)
+        pieces = [(p * share, min((p + 1) * share, nbytes)) for p in range(programs) if p * share < nbytes]
+        assert share % 16 == 0 and all((b - a) % 16 == 0 and b > a for a, b in pieces)
+        assert sum(b - a for a, b in pieces) == nbytes and all(x[1] == y[0] for x, y in zip(pieces, pieces[1:]))
+
+
+def test_moe_layer_prefetches_its_shared_expert(monkeypatch):
+    """With the fused path (Triton under the interpreter) and the shared expert stacked last, the layer hands the
+    router that expert's gate/up slab of the stack to ask into L2 (a hint: the output is the same without it);
+    without a stacked shared expert, nothing."""
+    import kimi_linear.ops.moe as moe_op
+    import kimi_linear.ops.triton.moe as tri
+    from kimi_linear.layers import SparseMoE
+
+    seen = []
+
+    def router(x, w, prefetch=None):
+        seen.append(prefetch)
+        return tri.router_logits(x, w, prefetch)
+
+    fast = {"router_logits": router, "fused_moe": tri.fused_moe, "sigmoid_topk": tri.sigmoid_topk}
+    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fast.get(name))
+    torch.manual_seed(0)
+    for shared in (1, 0):
+        moe = SparseMoE(32, 16, 4, 2, num_shared_experts=shared).requires_grad_(False)
+        for t in [*moe.parameters(), *moe.buffers()]:
+            t.copy_(0.2 * torch.randn(t.shape))
+        moe.pack()
+        x = torch.randn(3, 32)
+        seen.clear()
+        out = moe(x)
+        w13 = moe._packed_experts()[0]
+        if shared:
+            assert seen[-1] is not None and seen[-1].data_ptr() == w13[-1].data_ptr()
+            assert seen[-1].shape == w13.shape[1:]
+        else:
+            assert seen[-1] is None
+        monkeypatch.setattr(moe_op, "triton_op", lambda name, x: None)
+        assert torch.allclose(out, moe(x), rtol=1e-4, atol=1e-5)
+        monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fast.get(name))

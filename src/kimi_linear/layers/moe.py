@@ -74,9 +74,11 @@ class SigmoidTopKRouter(nn.Module):
         self.routed_scaling_factor, self.renormalize = routed_scaling_factor, renormalize
         self.n_group, self.topk_group = n_group, topk_group
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64)."""
-        logits = router_logits(x, self.weight)            # float32 (float64 for float64 inputs): x widened first
+    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64). ``prefetch``: weights the caller
+        reads next whatever the routing (:func:`kimi_linear.ops.router_logits`: a hint, no effect on results)."""
+        # float32 (float64 for float64 inputs): x widened first
+        logits = router_logits(x, self.weight, prefetch=prefetch)
         if self.n_group == 1:       # one Triton kernel on a GPU when no gradient is needed (ops.sigmoid_topk)
             return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize,
                                 self.routed_scaling_factor)
@@ -160,9 +162,16 @@ class SparseMoE(nn.Module):
         which the fused op folds into its combine when nothing comes after the experts (one kernel less a layer)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, idx = self.gate(flat)
-        z = flat if self.latent_size is None else self.routed_expert_down_proj(flat)      # [N, D or latent]
-        fused = self._fused_weights(z)
+        if self.latent_size is None:
+            z = flat
+            fused = self._fused_weights(z)
+            # The shared expert's gate/up weights (the fused op reads them whatever the routing) go to L2 while
+            # the router runs.
+            weights, idx = self.gate(flat, prefetch=fused[0][-1] if fused is not None and fused[2] else None)
+        else:
+            weights, idx = self.gate(flat)
+            z = self.routed_expert_down_proj(flat)                                   # [N, latent]
+            fused = self._fused_weights(z)
         shared_done = False
         if fused is not None:
             w13, w2, shared_done = fused

@@ -154,20 +154,24 @@ def fused_moe_available(x: torch.Tensor) -> bool:
 ROUTER_TRITON_MAX_TOKENS = 16    # small decode batches; more rows take cuBLAS, which reads W once per tile
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """The router's logits ``x @ weight^T`` in float32 (float64 if either is float64) with x widened first: x [N, D]
     any float dtype, weight [E, D] float32 -> [N, E], also under autocast.
 
     On CUDA, without autograd and for up to ROUTER_TRITON_MAX_TOKENS rows, one Triton kernel that widens x as it
     reads it (instead of a cast kernel and cuBLAS's two-kernel float32 GEMV); each row's sums run in the same order
-    whatever N is, so a token's routing does not depend on its batch. Else PyTorch."""
+    whatever N is, so a token's routing does not depend on its batch. Else PyTorch.
+
+    prefetch: a tensor on x's device that the step reads right after the routing whatever it is (the MoE layer
+    passes its shared expert's stacked gate/up weights); the kernel asks it into L2 while the router and the top-k
+    leave HBM idle. A hint only: no result depends on it, and the PyTorch path ignores it."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_logits: x must be [N, D] and weight [E, D], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     if x.shape[0] <= ROUTER_TRITON_MAX_TOKENS and weight.dtype == torch.float32:
         fast = for_inference(triton_op("router_logits", x), x, weight)
         if fast is not None:
-            return fast(x, weight)
+            return fast(x, weight, prefetch if prefetch is not None and prefetch.device == x.device else None)
     acc = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     # Under bf16 autocast (training on a GPU) F.linear would round the logits to bf16: near-ties between experts
     # would then be decided by rounding, and sigmoid_topk refuses 16-bit logits.
