@@ -1,6 +1,6 @@
 """The decode step's small fused kernels on the GPU (issue 18): RMSNorm, residual add + RMSNorm, the in-place
-decode short conv, and the step's float32 logits with their greedy tokens, against the PyTorch paths they replace;
-then their times.
+decode short conv, the step's float32 logits with their greedy tokens, and MLA's per-head products, against the
+PyTorch paths they replace; then their times.
 
 (a) Checks (bf16 and float32; batch 1 and 128; hidden 2304 and MLA's latent 512; q|k|v conv C = 3*32*128 = 12288,
     W = 4): ``rms_norm`` / ``add_rms_norm`` against ``rms_norm_torch`` (the layer's PyTorch path): the sum must be
@@ -16,6 +16,8 @@ then their times.
     ``logits_and_greedy`` (bf16 and float32 logits, batch 1, 8 and 256, vocabulary 163,840) against its PyTorch
     path: float32 logits and ids bit-equal, on rows with the maximum tied inside one chunk of the kernel and across
     chunks (the first index wins), a NaN (-1), all -inf (0) and +inf twice; captured and replayed equals eager.
+    ``absorb_query`` / ``expand_values`` (48B shapes: 32 heads, nope = v = 128, latent 512; batch 1, 5, 256) against
+    float64: max |error| / max |ref| <= 2^-7 (bf16) / 1e-6 (float32), the rope part copied bit-exactly.
 (b) Timings in microseconds per call, 20 calls captured in one CUDA graph (the decode step's setting: no launch
     overhead from the host), median over repetitions: ours vs the PyTorch path; for the conv also the prefill
     kernel alone at T = 1 with its old [32, 64] tile and with the T-sized tile it now picks.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -39,8 +42,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kimi_linear.ops.triton.conv as tri_conv
 from kimi_linear.ops.conv import short_conv
 from kimi_linear.ops.greedy import logits_and_greedy_torch
+from kimi_linear.ops.mla_heads import absorb_query_torch, expand_values_torch
 from kimi_linear.ops.rms_norm import rms_norm_torch
-from kimi_linear.ops.triton import add_rms_norm, logits_and_greedy, rms_norm, short_conv_decode
+from kimi_linear.ops.triton import (
+    absorb_query,
+    add_rms_norm,
+    expand_values,
+    logits_and_greedy,
+    rms_norm,
+    short_conv_decode,
+)
 from moe_gpu import capture, time_eager  # noqa: E402  (a sibling bench script: the graph capture it times with)
 
 CALLS = 20          # calls per captured graph
@@ -237,6 +248,38 @@ def greedy(device: str, dtypes: list[torch.dtype], batches: list[int], V: int, r
     table(f"Float32 logits and greedy ids: microseconds per call ({CALLS} calls in one CUDA graph)", times)
 
 
+def mla_heads(device: str, dtypes: list[torch.dtype], batches: list[int], H: int, nope: int, C: int,
+              reps: int) -> None:
+    """absorb_query / expand_values against float64 (bar: max |error| / max |ref| <= 2^-7 in bf16, 1e-6 in
+    float32: one rounding of a float32 sum), the rope part copied bit-exactly, on strided views of one kv_b weight
+    [H, 2 nope, C] as the layer hands them; times against the PyTorch path (einsum + cat, einsum)."""
+    checks, times = [], []
+    gen = torch.Generator(device=device).manual_seed(3)
+    for dtype in dtypes:
+        bar = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
+        w = (torch.randn(H, 2 * nope, C, generator=gen, device=device) / C**0.5).to(dtype)
+        w_k, w_v = w[:, :nope], w[:, nope:]
+        for B in batches:
+            q = torch.randn(B, H, nope + 64, generator=gen, device=device).to(dtype)
+            ctx = torch.randn(B, H, C, generator=gen, device=device).to(dtype)
+            a, e = absorb_query(q, w_k), expand_values(ctx, w_v)
+            ea = normwise(a, absorb_query_torch(q.double(), w_k.double()))
+            ee = normwise(e, expand_values_torch(ctx.double(), w_v.double()))
+            rope = torch.equal(a[..., C:], q[..., nope:])
+            name = f"mla heads {str(dtype)[6:]} B={B}"
+            checks.append({"case": name, "absorb err": ea, "expand err": ee, "rope copied": rope,
+                           "check": verdict(name, ea <= bar and ee <= bar and rope)})
+            if dtype == torch.bfloat16 or device != "cuda":
+                fns = {"absorb us": partial(absorb_query, q, w_k),
+                       "einsum + cat us": partial(absorb_query_torch, q, w_k),
+                       "expand us": partial(expand_values, ctx, w_v),
+                       "einsum us": partial(expand_values_torch, ctx, w_v)}
+                times.append({"case": f"{str(dtype)[6:]} B={B}"} | {k: time_us(f, device, reps)
+                                                                      for k, f in fns.items()})
+    table("MLA decode's per-head products: checks against float64", checks)
+    table(f"MLA decode's per-head products: microseconds per call ({CALLS} calls in one CUDA graph)", times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
@@ -249,6 +292,7 @@ def main() -> None:
         norms(device, dtypes, [1, 5], [48], reps)
         convs(device, dtypes, [1, 5], 300, 4, reps)
         greedy(device, dtypes, [1, 5], 300, reps)
+        mla_heads(device, dtypes, [1, 17], 2, 16, 32, reps)
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device (use --smoke on CPU)")
@@ -257,6 +301,7 @@ def main() -> None:
         norms(device, dtypes, [1, 128, 4096], [2304, 512], reps)
         convs(device, dtypes, [1, 128], 3 * 32 * 128, 4, reps)
         greedy(device, dtypes, [1, 8, 256], 163840, reps)
+        mla_heads(device, dtypes, [1, 5, 256], 32, 128, 512, reps)
     say("\nALL PASS" if not FAILED else f"\nFAIL: {', '.join(FAILED)}")
     sys.exit(1 if FAILED else 0)
 
