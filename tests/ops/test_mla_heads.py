@@ -31,10 +31,14 @@ def test_torch_paths_are_the_definition():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2.0**-7)])
 @pytest.mark.parametrize("B", [1, 5, 17])
-def test_triton_matches_torch(dtype, tol, B):
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_triton_matches_torch(dtype, tol, B, wide, monkeypatch):
     pytest.importorskip("triton")
     import kimi_linear.ops.triton.mla_heads as tri
 
+    if wide:        # a large batch's widest tiles (past N here: masked columns) on these small shapes
+        monkeypatch.setattr(tri, "TARGET_PROGRAMS", 1)
+        assert tri.columns(B, H, C, 64) == 128 and tri.columns(B, H, V, 16) == 32
     w_k, w_v = weights(dtype)
     gen = torch.Generator().manual_seed(B)
     q = torch.randn(B, H, NOPE + R, generator=gen).to(dtype)
@@ -46,6 +50,21 @@ def test_triton_matches_torch(dtype, tol, B):
     assert torch.equal(tri.absorb_query(q, w_k)[..., C:], q[..., NOPE:])     # the rope part is copied, not computed
     q_view = torch.randn(B, 2, H, NOPE + R, generator=gen).to(dtype)[:, 1]  # a query with a batch stride
     assert torch.equal(tri.absorb_query(q_view, w_k), tri.absorb_query(q_view.contiguous(), w_k))
+
+
+def test_columns_widen_with_the_batch():
+    """48B shapes (32 heads, C = 512, v = 128): the narrow tiles at small batches, wider ones once the row blocks
+    alone fill the launch, never past WIDEST."""
+    pytest.importorskip("triton")
+    from kimi_linear.ops.triton.mla_heads import TARGET_PROGRAMS, WIDEST, columns
+
+    assert [columns(B, 32, 512, 64) for B in (1, 16, 17, 64, 256)] == [64, 64, 128, 128, 128]
+    assert [columns(B, 32, 128, 16) for B in (1, 16, 17, 64, 256)] == [16, 16, 32, 64, 128]
+    for B in (1, 17, 100, 256, 4096):
+        for N, narrowest in ((512, 64), (128, 16)):
+            BN = columns(B, 32, N, narrowest)
+            assert narrowest <= BN <= WIDEST
+            assert BN == narrowest or 32 * -(-N // BN) * -(-B // 16) >= TARGET_PROGRAMS
 
 
 def test_public_ops_dispatch_and_name_bad_arguments(monkeypatch):
@@ -76,7 +95,7 @@ from kimi_linear.ops.triton.mla_heads import BB, BK, head_products_kernel
 
 sig = dict(x="*bf16", w="*bf16", out="*bf16", B="i32", H="i32", K="i32", N="i32", s_xb="i64", s_xh="i64",
            s_wh="i64", s_wk="i64", s_wn="i64")
-for R, BN in ((64, 64), (0, 16)):              # absorb_query's launch (the rope copy), expand_values'
+for R, BN in ((64, 64), (0, 16), (64, 128), (0, 128)):   # absorb_query's (the rope copy), expand_values'; wide
     ck = compile(head_products_kernel, sig, dict(W_OUT=512 + R, R=R, BB=BB, BN=BN, BK=BK, BR=64, PREC="tf32",
                                                  PDL=True))
     assert len(ck.asm["cubin"]) > 0
