@@ -80,6 +80,11 @@ def test_public_ops_dispatch_and_name_bad_arguments(monkeypatch):
     assert calls == ["absorb_query", "expand_values"]
     absorb_query(q.requires_grad_(), w_k)                  # a gradient to track: the PyTorch path
     assert calls == ["absorb_query", "expand_values"]
+    big = torch.randn(op.EXPAND_KERNEL_ROWS + 1, H, C)     # past the rows where the kernel beats cuBLAS
+    assert torch.equal(expand_values(big, w_v), expand_values_torch(big, w_v))
+    assert calls == ["absorb_query", "expand_values"]
+    expand_values(big[: op.EXPAND_KERNEL_ROWS], w_v)
+    assert calls == ["absorb_query", "expand_values", "expand_values"]
     with pytest.raises(ValueError, match="absorb_query"):
         absorb_query(q[..., : NOPE - 1], w_k)
     with pytest.raises(ValueError, match="absorb_query"):

@@ -11,7 +11,8 @@ Both products read 4 MB of weights for the 48B shape (32 heads, C = 512, nope = 
 batched products took 3.8 us each and the concatenation with ``q_rope`` 2.1 more, ~10 us of an MLA layer's decode
 step. On CUDA each is one Triton launch (:mod:`kimi_linear.ops.triton.mla_heads`) that writes straight into its
 output (the absorbed query with its rope part), and takes part in programmatic dependent launch with the attention
-kernels beside it. Products accumulate in float32 and round once to the input dtype, as the PyTorch path does.
+kernels beside it; expand_values only up to EXPAND_KERNEL_ROWS rows (cuBLAS is faster on larger batches).
+Products accumulate in float32 and round once to the input dtype, as the PyTorch path does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from __future__ import annotations
 import torch
 
 from .backend import for_inference, triton_op
+
+# expand_values runs its kernel for batches up to this many rows (one row block of the kernel) and cuBLAS above:
+# H200, bench/fused_small_gpu.py, 48B shapes, bf16: 2.97 / 3.17 us against cuBLAS's 3.36 / 3.42 at batch 1 / 5,
+# 14.1 against 4.75 at batch 256 (absorb_query's kernel wins at every batch timed: 13.0 against 27.3 at 256).
+EXPAND_KERNEL_ROWS = 16
 
 
 def _check(name: str, x: torch.Tensor, w: torch.Tensor, k: int) -> None:
@@ -55,5 +61,7 @@ def expand_values(ctx: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     _check("expand_values", ctx, w_v, w_v.shape[2])
     if ctx.shape[2] != w_v.shape[2]:
         raise ValueError(f"expand_values: ctx's width {ctx.shape[2]} is not W_v's latent width {w_v.shape[2]}")
-    fast = for_inference(triton_op("expand_values", ctx), ctx, w_v)
+    fast = None
+    if ctx.shape[0] <= EXPAND_KERNEL_ROWS:
+        fast = for_inference(triton_op("expand_values", ctx), ctx, w_v)
     return expand_values_torch(ctx, w_v) if fast is None else fast(ctx, w_v)
