@@ -1,7 +1,6 @@
 """The decode step's small fused kernels on the GPU (issue 18): RMSNorm, residual add + RMSNorm, the in-place
-decode short conv, the step's float32 logits with their greedy tokens, MLA's per-head products, the router with
-its top-k in one launch and one token's MoE combine in the down kernel, against the paths they replace; then their
-times.
+decode short conv, the step's float32 logits with their greedy tokens, and MLA's per-head products, against the
+PyTorch paths they replace; then their times.
 
 (a) Checks (bf16 and float32; batch 1 and 128; hidden 2304 and MLA's latent 512; q|k|v conv C = 3*32*128 = 12288,
     W = 4): ``rms_norm`` / ``add_rms_norm`` against ``rms_norm_torch`` (the layer's PyTorch path): the sum must be
@@ -44,19 +43,14 @@ import kimi_linear.ops.triton.conv as tri_conv
 from kimi_linear.ops.conv import short_conv
 from kimi_linear.ops.greedy import logits_and_greedy_torch
 from kimi_linear.ops.mla_heads import absorb_query_torch, expand_values_torch
-from kimi_linear.ops.moe import ROUTER_TRITON_MAX_TOKENS, moe_workspace_size
 from kimi_linear.ops.rms_norm import rms_norm_torch
 from kimi_linear.ops.triton import (
     absorb_query,
     add_rms_norm,
     expand_values,
-    fused_moe,
     logits_and_greedy,
     rms_norm,
-    route,
-    router_logits,
     short_conv_decode,
-    sigmoid_topk,
 )
 from moe_gpu import capture, time_eager  # noqa: E402  (a sibling bench script: the graph capture it times with)
 
@@ -286,46 +280,6 @@ def mla_heads(device: str, dtypes: list[torch.dtype], batches: list[int], H: int
     table(f"MLA decode's per-head products: microseconds per call ({CALLS} calls in one CUDA graph)", times)
 
 
-def one_launch(device: str, batches: list[int], experts: list[int], W: int, I: int, k: int, reps: int) -> None:
-    """ops.route (router + top-k in one launch) against router_logits + sigmoid_topk, and fused_moe's one-token
-    combine in the down kernel (workspace given) against its own combine launch: ids and weights / outputs
-    bit-equal, also captured and replayed twice (the counters must come back to zero); bf16 x, float32 router."""
-    checks, times = [], []
-    gen = torch.Generator(device=device).manual_seed(4)
-    for E in experts:
-        w = torch.randn(E, W, generator=gen, device=device) / W**0.5
-        bias = 0.1 * torch.randn(E, generator=gen, device=device)
-        ws = torch.zeros(ROUTER_TRITON_MAX_TOKENS, dtype=torch.int32, device=device)
-        for N in batches:
-            x = torch.randn(N, W, generator=gen, device=device).to(torch.bfloat16)
-            two = partial(lambda x, w, b: sigmoid_topk(router_logits(x, w), b, k, True, 2.446), x, w, bias)
-            one = partial(route, x, w, bias, k, True, 2.446, ws)
-            (w1, i1), (w2, i2) = one(), two()
-            eq = torch.equal(i1, i2) and torch.equal(w1, w2)
-            ok = eq and graph_equals_eager(one, [x], device) and graph_equals_eager(one, [x], device)
-            name = f"route E={E} N={N}"
-            checks.append({"case": name, "equal to two launches": eq, "check": verdict(name, ok and not ws.any())})
-            times.append({"case": name, "one launch us": time_us(one, device, reps),
-                          "two launches us": time_us(two, device, reps)})
-        x = torch.randn(1, W, generator=gen, device=device).to(torch.bfloat16)
-        w13 = (torch.randn(E + 1, 2 * I, W, generator=gen, device=device) / W**0.5).to(torch.bfloat16)
-        w2 = (torch.randn(E + 1, W, I, generator=gen, device=device) / I**0.5).to(torch.bfloat16)
-        tw, ids = route(x, w, bias, k, True, 2.446, ws)
-        res = torch.randn(1, W, generator=gen, device=device).to(torch.bfloat16)
-        cw = torch.zeros(moe_workspace_size(W), dtype=torch.int32, device=device)
-        sep = partial(fused_moe, x, w13, w2, tw, ids, num_shared=1, residual=res)
-        fused = partial(fused_moe, x, w13, w2, tw, ids, num_shared=1, residual=res, workspace=cw)
-        eq = torch.equal(fused(), sep())
-        ok = eq and graph_equals_eager(fused, [x], device) and graph_equals_eager(fused, [x], device)
-        name = f"one-token combine E={E}"
-        checks.append({"case": name, "equal to two launches": eq, "check": verdict(name, ok and not cw.any())})
-        times.append({"case": name, "one launch us": time_us(fused, device, reps),
-                      "two launches us": time_us(sep, device, reps)})
-    table("One launch instead of two: checks (bit-equal to the two launches, graph replays)", checks)
-    table(f"One launch instead of two: microseconds per call ({CALLS} calls in one CUDA graph; the combine rows: "
-          "the whole fused MoE)", times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
@@ -339,7 +293,6 @@ def main() -> None:
         convs(device, dtypes, [1, 5], 300, 4, reps)
         greedy(device, dtypes, [1, 5], 300, reps)
         mla_heads(device, dtypes, [1, 17], 2, 16, 32, reps)
-        one_launch(device, [1, 5], [8], 64, 32, 3, reps)
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device (use --smoke on CPU)")
@@ -349,7 +302,6 @@ def main() -> None:
         convs(device, dtypes, [1, 128], 3 * 32 * 128, 4, reps)
         greedy(device, dtypes, [1, 8, 256], 163840, reps)
         mla_heads(device, dtypes, [1, 5, 256], 32, 128, 512, reps)
-        one_launch(device, [1, 4, 16], [32, 256], 2304, 1024, 8, reps)
     say("\nALL PASS" if not FAILED else f"\nFAIL: {', '.join(FAILED)}")
     sys.exit(1 if FAILED else 0)
 

@@ -101,55 +101,6 @@ def test_triton_matches_reference(N, E, k, W, I, mode, dtype):
     assert rel_err(got, reference(x, w13, w2, tw, ids)) < BARS[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("E, k, S, W, I, launch", [
-    (8, 3, 1, 64, 48, dict()),                                            # the one-token launch, a shared expert
-    (4, 2, 0, 40, 32, dict(BM=16, BN1=16, BK1=16, BN2=16, BK2=16)),       # W past the last 16-column tile
-    (6, 6, 2, 96, 32, dict(BM=16, BN1=32, BK1=32, BN2=64, BK2=32)),       # k = E, two shared experts
-])
-def test_one_token_combine_in_the_down_kernel(E, k, S, W, I, launch, dtype):
-    """With a workspace, one token's combine runs in the down kernel's last program of each column tile (the
-    interpreter runs the programs one after another): the same bits as the combine's own launch, with and without
-    the residual, with a routed id outside [0, E) (adds 0), the counters left zero (a second call, a graph replay,
-    gives the same again); the reference within the usual bars."""
-    from kimi_linear.ops.moe import moe_workspace_size
-    from kimi_linear.ops.triton.moe import MoELaunch
-
-    x, w13, w2, tw, ids = make(1, E + S, k, W, I, dtype, "random", seed=W + k)
-    ids = ids % E
-    cfg = MoELaunch(**launch) if launch else None
-    ws = torch.zeros(moe_workspace_size(W), dtype=torch.int32)
-    residual = torch.randn(1, W, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for res in (None, residual):
-        want = triton_moe(x, w13, w2, tw, ids, launch=cfg, num_shared=S, residual=res)
-        for _ in range(2):
-            got = triton_moe(x, w13, w2, tw, ids, launch=cfg, num_shared=S, residual=res, workspace=ws)
-            assert torch.equal(got, want) and not ws.any()
-        shared = [torch.full((1, 1), e) for e in range(E, E + S)]
-        ref = naive_moe(x, w13, w2, tw, ids) + sum(naive_moe(x, w13, w2, torch.ones(1, 1), e) for e in shared)
-        assert rel_err(got, ref + (0 if res is None else res.double())) < BARS[dtype]
-    bad = ids.clone()
-    bad[0, 0] = E + S + 3                                                 # never computed: the combine adds 0
-    got = triton_moe(x, w13, w2, tw, bad, launch=cfg, num_shared=S, workspace=ws)
-    assert torch.equal(got, triton_moe(x, w13, w2, tw, bad, launch=cfg, num_shared=S)) and not ws.any()
-
-
-def test_fused_moe_workspace_checked_and_passed(monkeypatch):
-    """The public op hands the workspace to the Triton path and names a bad one."""
-    import kimi_linear.ops.moe as moe_op
-
-    seen = []
-    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: (lambda *a, **kw: seen.append(kw["workspace"])
-                                                               or triton_moe(*a, **kw)))
-    x, w13, w2, tw, ids = make(1, 4, 2, 32, 32)
-    ws = torch.zeros(moe_op.moe_workspace_size(32), dtype=torch.int32)
-    fused_moe(x, w13, w2, tw, ids, workspace=ws)
-    assert seen == [ws]
-    for bad in (ws[:1], ws.long(), torch.zeros(2)):
-        with pytest.raises(ValueError, match="fused_moe: workspace"):
-            fused_moe(x, w13, w2, tw, ids, workspace=bad)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_situ(dtype):
     """Pre-activations of scale ~4 (up to ~15): tanh(g / 4) and tanh(u / 2) on both sides of the Taylor branch."""
@@ -377,67 +328,6 @@ def test_router_logits_triton(dtype, monkeypatch):
         router_logits(torch.randn(2, 63), w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_route_one_launch_matches_the_two(dtype):
-    """ops.route's one launch (the interpreter runs its programs one after another; the last of each row block
-    ranks the block) against router_logits + sigmoid_topk's two kernels: the same ids and the same weight bits, on
-    row counts across row blocks (1, 5, 16), E not a power of two, k = 1 and k = E, a strong bias and a NaN row;
-    the counters are left zero, so a second call (a graph replay) gives the same again."""
-    from kimi_linear.ops.moe import sigmoid_topk_torch
-    from kimi_linear.ops.triton import moe as tri
-
-    gen = torch.Generator().manual_seed(21)
-    for N, E, D, k, renorm, scale in [(1, 32, 2304, 8, True, 2.446), (5, 12, 300, 1, False, 1.0),
-                                      (16, 6, 64, 6, True, 1.0), (7, 256, 128, 8, True, 2.5)]:
-        x = torch.randn(N, D, generator=gen).to(dtype)
-        w = torch.randn(E, D, generator=gen) / D**0.5
-        bias = torch.randn(E, generator=gen) * 0.5
-        if N == 5:
-            x[3, 7] = float("nan")
-        ws = torch.zeros(16, dtype=torch.int32)
-        want_w, want_i = tri.sigmoid_topk(tri.router_logits(x, w), bias, k, renorm, scale)
-        for _ in range(2):
-            got_w, got_i = tri.route(x, w, bias, k, renorm, scale, ws)
-            assert torch.equal(got_i, want_i) and got_i.dtype == torch.int64
-            assert torch.equal(got_w.nan_to_num(7.0), want_w.nan_to_num(7.0))
-            assert not ws.any()
-        ref_w, ref_i = sigmoid_topk_torch(x.double() @ w.double().t(), bias.double(), k, renorm, scale)
-        ok = ~ref_w.isnan().any(1)
-        assert torch.equal(got_i[ok], ref_i[ok]) and torch.allclose(got_w[ok].double(), ref_w[ok], rtol=1e-5)
-
-
-def test_route_dispatch_and_errors(monkeypatch):
-    """The public op: one launch with a workspace where the router's kernel would run (here forced on CPU tensors);
-    without a workspace, past ROUTER_TRITON_MAX_TOKENS rows or with a gradient to track, the two ops (the same
-    result); bad arguments named."""
-    import kimi_linear.ops.moe as moe_op
-    from kimi_linear.ops import route
-    from kimi_linear.ops.triton import moe as tri
-
-    calls = []
-    fast = {"route": tri.route, "router_logits": tri.router_logits, "sigmoid_topk": tri.sigmoid_topk}
-    monkeypatch.setattr(moe_op, "triton_op", lambda name, x: (lambda *a: calls.append(name) or fast[name](*a)))
-    gen = torch.Generator().manual_seed(4)
-    w, bias, ws = torch.randn(8, 64, generator=gen) / 8, torch.randn(8, generator=gen) / 2, torch.zeros(16).int()
-    x = torch.randn(3, 64, generator=gen)
-    one = route(x, w, bias, 2, workspace=ws)
-    assert calls == ["route"]
-    calls.clear()
-    assert all(torch.equal(a, b) for a, b in zip(one, route(x, w, bias, 2)))
-    assert calls == ["router_logits", "sigmoid_topk"]
-    calls.clear()
-    route(torch.randn(moe_op.ROUTER_TRITON_MAX_TOKENS + 1, 64), w, bias, 2, workspace=ws)
-    assert "route" not in calls
-    calls.clear()
-    wg, _ = route(x, w.clone().requires_grad_(), bias, 2, workspace=ws)
-    assert "route" not in calls and wg.requires_grad
-    for bad, match in [(dict(workspace=torch.zeros(16)), "workspace"), (dict(workspace=ws[:15]), "workspace"),
-                       (dict(bias=torch.zeros(7)), "bias"), (dict(k=9), "k must"), (dict(x=x[:, :63]), "route")]:
-        args = dict(x=x, weight=w, bias=bias, k=2, workspace=ws) | bad
-        with pytest.raises(ValueError, match=match):
-            route(**args)
-
-
 def _args(**bad):
     x, w13, w2, tw, ids = make(3, 4, 2, 8, 6)
     args = dict(x=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ids)
@@ -524,7 +414,7 @@ def test_moe_layer_prefetches_its_shared_expert(monkeypatch):
         seen.append(prefetch)
         return tri.router_logits(x, w, prefetch)
 
-    fast = {"router_logits": router, "fused_moe": tri.fused_moe, "sigmoid_topk": tri.sigmoid_topk}  # no "route"
+    fast = {"router_logits": router, "fused_moe": tri.fused_moe, "sigmoid_topk": tri.sigmoid_topk}
     monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fast.get(name))
     torch.manual_seed(0)
     for shared in (1, 0):
@@ -544,38 +434,3 @@ def test_moe_layer_prefetches_its_shared_expert(monkeypatch):
         monkeypatch.setattr(moe_op, "triton_op", lambda name, x: None)
         assert torch.allclose(out, moe(x), rtol=1e-4, atol=1e-5)
         monkeypatch.setattr(moe_op, "triton_op", lambda name, x: fast.get(name))
-
-
-BUILD_ROUTE_SM90 = """
-from kimi_linear.ops.triton.moe import route_kernel
-
-sig = dict(x="*bf16", w="*fp32", bias="*fp32", logits="*fp32", done="*i32", weights="*fp32", ids="*i64", N="i32",
-           E="i32", D="i32", s_xn="i64", s_we="i64", scale="fp32", nxt="*u8", n_nxt="i64", c_nxt="i64")
-for E in (32, 256):
-    ck = compile(route_kernel, sig, dict(BN=4, BE=2, BK=1024, K_TOP=8, BKT=8, BEA=E, RENORM=True, PDL=True,
-                                         PREFETCH=True))
-    ptx = ck.asm["ptx"]
-    # the barrier before the counter, its acquire-release atomic at GPU scope, the logits read back from L2
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx and "bar.sync" in ptx
-    assert len(ck.asm["cubin"]) > 0
-
-from kimi_linear.ops.triton.moe import moe_down_kernel
-
-sig = dict(h="*bf16", w2="*bf16", slot_pair="*i32", ids="*i64", topk_weights="*fp32", y="*fp32", M="i32", W="i32",
-           I="i32", E="i32", NT="i32", s_we="i64", s_wn="i64", s_wk="i64", d_w="*bf16", done="*i32",
-           residual="*bf16", out="*bf16", s_rn="i64")
-ck = compile(moe_down_kernel, sig, dict(K_TOP=8, K_ALL=9, BM=16, BN=64, BK=64, EVEN_K=True, EVEN_N=True, TMA=False,
-                                        COMBINE=True, RESIDUAL=True, PDL=True))
-ptx = ck.asm["ptx"]
-assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx and len(ck.asm["cubin"]) > 0
-print("BUILT")
-"""
-
-
-def test_one_launch_kernels_build_for_sm90(tmp_path):
-    """The interpreter ignores memory-ordering and cache qualifiers: build the one-launch router and the down kernel
-    with its one-token combine for sm_90, and check that the counters' atomics are acquire-release at GPU scope and
-    the read-backs bypass L1."""
-    from .sm90 import build_sm90
-
-    build_sm90(BUILD_ROUTE_SM90, tmp_path)

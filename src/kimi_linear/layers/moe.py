@@ -6,14 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.moe import (
-    ROUTER_TRITON_MAX_TOKENS,
-    fused_moe,
-    fused_moe_available,
-    moe_workspace_size,
-    route,
-    router_logits,
-)
+from ..ops.moe import fused_moe, fused_moe_available, router_logits, sigmoid_topk
 from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
@@ -51,24 +44,6 @@ class Expert(nn.Module):
         return linear(self.hidden(x), self.w2.weight)
 
 
-class Counters:
-    """Completion counters of a one-launch kernel (ops.route, ops.fused_moe's one-token combine): int32 zeros the
-    kernels leave zero, made on the first call's device and kept. Not a buffer, so that a checkpoint neither holds
-    nor loads them (models are built on the meta device); one set per layer, so layers never share one."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.tensor = size, None
-
-    def on(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The counters on x's device; None (the kernels' other path) when they would first be made inside a
-        CUDA-graph capture (graph-pool memory; the engine and generate run a step eagerly before they capture)."""
-        if self.tensor is None or self.tensor.device != x.device:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            self.tensor = torch.zeros(self.size, dtype=torch.int32, device=x.device)
-        return self.tensor
-
-
 class SigmoidTopKRouter(nn.Module):
     """Router: float32 logits, ``s = sigmoid(logits)``, choose top-k of ``s + e_score_correction_bias`` (optionally
     limited to the best ``topk_group`` of ``n_group`` expert groups), weight by the *unbiased* ``s``, optionally
@@ -98,16 +73,15 @@ class SigmoidTopKRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.routed_scaling_factor, self.renormalize = routed_scaling_factor, renormalize
         self.n_group, self.topk_group = n_group, topk_group
-        self._counters = Counters(ROUTER_TRITON_MAX_TOKENS)           # ops.route's
 
     def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, k] float32, expert indices [N, k] int64). ``prefetch``: weights the caller
         reads next whatever the routing (:func:`kimi_linear.ops.router_logits`: a hint, no effect on results)."""
-        if self.n_group == 1:       # one Triton launch on a GPU decode step when no gradient is needed (ops.route)
-            return route(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
-                         self.routed_scaling_factor, prefetch, self._counters.on(x))
         # float32 (float64 for float64 inputs): x widened first
         logits = router_logits(x, self.weight, prefetch=prefetch)
+        if self.n_group == 1:       # one Triton kernel on a GPU when no gradient is needed (ops.sigmoid_topk)
+            return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k, self.renormalize,
+                                self.routed_scaling_factor)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
@@ -173,7 +147,6 @@ class SparseMoE(nn.Module):
         )
         self.latent_size = latent_size
         width = latent_size or hidden_size
-        self._counters = Counters(moe_workspace_size(width))          # ops.fused_moe's one-token combine
         if latent_size is not None:
             self.routed_expert_down_proj = Linear(hidden_size, latent_size, bias=False)
             self.routed_expert_up_proj = Linear(latent_size, hidden_size, bias=False)
@@ -205,7 +178,7 @@ class SparseMoE(nn.Module):
             last = self.latent_size is None and (shared_done or self.shared_experts is None)
             folded = residual.reshape(flat.shape) if last and residual is not None else None
             out = fused_moe(z, w13, w2, weights, idx, num_shared=int(shared_done), residual=folded,
-                            workspace=self._counters.on(z), **self._activation())
+                            **self._activation())
             if folded is not None:
                 return out.view(shape)
         elif self.static_dispatch:

@@ -9,7 +9,7 @@ from .gate import fused_kda_gate, l2norm
 from .greedy import logits_and_greedy
 from .mla_decode import paged_mla_decode
 from .mla_heads import absorb_query, expand_values
-from .moe import fused_moe, route, router_logits, sigmoid_topk
+from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
@@ -35,7 +35,6 @@ __all__ = [
     "paged_decode_rows",
     "paged_mla_decode",
     "rms_norm_write",
-    "route",
     "router_logits",
     "short_conv",
     "sigmoid_topk",

@@ -119,15 +119,10 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
               situ_linear_beta: float = 25.0, num_shared: int = 0,
-              residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' weighted sum (module docstring), plus ``residual`` [N, W] when given (added to the
     float32 sum before the one rounding to x's dtype: a decoder layer's residual add, without its own kernel).
     Inference only (no autograd).
-
-    workspace: int32 zeros on x's device, at least :func:`moe_workspace_size` (W) of them, which the Triton path
-    leaves zero: completion counters the caller keeps between calls. With one token the down kernel's last
-    program of each column tile then adds the pairs' outputs (the same sum in the same order), which saves a decode
-    step the combine's launch a MoE layer. Calls that may overlap on the GPU must not share a workspace.
 
     x: [N, W]; w13: [E + S, 2I, W], rows 0..I-1 the gate projection w1, rows I..2I-1 the up projection w3; w2:
     [E + S, W, I] (all one dtype: float32, bfloat16, float16, or float64 on the PyTorch path); the last
@@ -142,28 +137,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                  or residual.device != x.device):
         raise ValueError(f"fused_moe: residual must be x's shape {tuple(x.shape)}, dtype and device, got "
                          f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
-    check_workspace("fused_moe", workspace, x, moe_workspace_size(x.shape[1]))
     fast = triton_op("fused_moe", x) if x.dtype != torch.float64 else None
     if fast is None:
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta,
                                num_shared, residual)
     return fast(x, w13, w2, topk_weights, topk_ids, activation, situ_beta, situ_linear_beta, num_shared=num_shared,
-                residual=residual, workspace=workspace)
-
-
-def moe_workspace_size(width: int) -> int:
-    """int32 counters :func:`fused_moe`'s workspace needs for rows of ``width``: one per column tile of the down
-    kernel, whose tiles are 16 columns or wider."""
-    return -(-width // 16)
-
-
-def check_workspace(name: str, workspace: torch.Tensor | None, x: torch.Tensor, size: int) -> None:
-    """A completion-counter workspace: None, or int32 on x's device with at least ``size`` elements."""
-    if workspace is None:
-        return
-    if workspace.dtype != torch.int32 or workspace.device != x.device or workspace.numel() < size:
-        raise ValueError(f"{name}: workspace must be >= {size} int32 zeros on {x.device}, got {workspace.dtype} "
-                         f"{tuple(workspace.shape)} on {workspace.device}")
+                residual=residual)
 
 
 def fused_moe_available(x: torch.Tensor) -> bool:
@@ -211,13 +190,6 @@ def sigmoid_topk_torch(logits: torch.Tensor, bias: torch.Tensor, k: int, renorma
     return (w * scale if scale != 1.0 else w), idx
 
 
-def _check_choice(name: str, E: int, bias: torch.Tensor, k: int) -> None:
-    if tuple(bias.shape) != (E,) or not bias.is_floating_point():
-        raise ValueError(f"{name}: bias must be a floating tensor [E={E}], got {bias.dtype} {tuple(bias.shape)}")
-    if not 1 <= k <= E:
-        raise ValueError(f"{name}: k must be in [1, E={E}], got {k}")
-
-
 def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The sigmoid router's choice (module docstring): logits [N, E] float32 (or float64), bias [E] -> (weights
@@ -228,33 +200,12 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: 
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"sigmoid_topk: logits must be float32 or float64 [N, E], got {logits.dtype} "
                          f"{tuple(logits.shape)}")
-    _check_choice("sigmoid_topk", logits.shape[1], bias, k)
+    E = logits.shape[1]
+    if tuple(bias.shape) != (E,) or not bias.is_floating_point():
+        raise ValueError(f"sigmoid_topk: bias must be a floating tensor [E={E}], got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= k <= E:
+        raise ValueError(f"sigmoid_topk: k must be in [1, E={E}], got {k}")
     fast = for_inference(triton_op("sigmoid_topk", logits), logits, bias, dtypes=(torch.float32,))
     if fast is None:
         return sigmoid_topk_torch(logits, bias, k, renormalize, scale)
     return fast(logits, bias, k, renormalize, scale)
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
-          scale: float = 1.0, prefetch: torch.Tensor | None = None,
-          workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sigmoid router from the token rows: ``sigmoid_topk(router_logits(x, weight, prefetch), bias, k,
-    renormalize, scale)`` (x [N, D], weight [E, D] float32, bias [E]) -> (weights [N, k], ids [N, k] int64).
-
-    With ``workspace`` (int32 zeros on x's device, at least ROUTER_TRITON_MAX_TOKENS of them, which it leaves zero:
-    completion counters the caller keeps between calls) and where :func:`router_logits` would run its Triton kernel,
-    one launch: the last program of each row block to finish ranks the block's rows, which saves a decode step the
-    top-k's own launch a MoE layer. The same arithmetic as the two kernels. Calls that may overlap on the GPU (other
-    streams) must not share a workspace."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"route: x must be [N, D] and weight [E, D], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    _check_choice("route", weight.shape[0], bias, k)
-    check_workspace("route", workspace, x, ROUTER_TRITON_MAX_TOKENS)
-    if workspace is not None:
-        if x.shape[0] <= ROUTER_TRITON_MAX_TOKENS and weight.dtype == torch.float32:
-            fast = for_inference(triton_op("route", x), x, weight, bias)
-            if fast is not None:
-                return fast(x, weight, bias, k, renormalize, scale, workspace,
-                            prefetch if prefetch is not None and prefetch.device == x.device else None)
-    return sigmoid_topk(router_logits(x, weight, prefetch), bias, k, renormalize, scale)

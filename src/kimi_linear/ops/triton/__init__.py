@@ -14,7 +14,7 @@ from .conv import short_conv, short_conv_decode
 from .greedy import logits_and_greedy
 from .mla_decode import paged_mla_decode
 from .mla_heads import absorb_query, expand_values
-from .moe import fused_moe, route, router_logits, sigmoid_topk
+from .moe import fused_moe, router_logits, sigmoid_topk
 from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
@@ -23,5 +23,5 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_write
 __all__ = [
     "absorb_query", "add_rms_norm", "chunk_kda", "expand_values", "fused_moe", "fused_recurrent_kda",
     "gated_rms_norm", "logits_and_greedy", "paged_decode_rows", "paged_mla_decode", "rms_norm", "rms_norm_write",
-    "route", "router_logits", "short_conv", "short_conv_decode", "sigmoid_topk",
+    "router_logits", "short_conv", "short_conv_decode", "sigmoid_topk",
 ]

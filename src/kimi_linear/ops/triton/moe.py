@@ -237,14 +237,8 @@ def moe_down_kernel(
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     d_w, TMA: tl.constexpr,                # w2's [(E + S) W, I] view with [BN, BK] blocks (MoELaunch.tma), else w2
-    done, residual, out, s_rn,             # COMBINE: [>= NT] int32 zeros (left zero), [1, W], out [1, W]
-    COMBINE: tl.constexpr, RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (block i_b, column tile i_n): the block's pairs' expert outputs at the tile's columns, weighted,
-    into y. COMBINE (one token, one pair a block): the last of the K_ALL programs of a column tile to finish (a
-    counter in ``done``, released after its y tile is stored) adds the pairs' tiles as :func:`moe_combine_kernel`
-    does, in the same order, and zeroes the counter for the next launch: no combine launch."""
     pdl_entry(PDL)
     i_p = tl.program_id(0)
     i_b, i_n = i_p // NT, i_p % NT
@@ -252,55 +246,32 @@ def moe_down_kernel(
     if first >= M:
         return
     i_e = pair_expert(ids, first, first >= 0, K_TOP, K_ALL, E).to(tl.int64)
+    if i_e < 0:
+        return
+    o_m = i_b * BM + tl.arange(0, BM)
+    b_pair = tl.load(slot_pair + o_m)                                   # [BM]
+    m_m = b_pair < M
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = (o_n < W) | EVEN_N
-    if i_e >= 0:           # a routed id outside [0, E) is never computed (the combine adds 0 for it)
-        o_m = i_b * BM + tl.arange(0, BM)
-        b_pair = tl.load(slot_pair + o_m)                                   # [BM]
-        m_m = b_pair < M
-        o_k = tl.arange(0, BK)
-        p_h = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]               # [BM, BK]
-        p_w = w2 + i_e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None] * s_wk            # [BK, BN]
-        r_w = (i_e * W + i_n * BN).to(tl.int32)                             # the tile's first row in d_w
-        b_acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            m_k = (o_k < I - k0) | EVEN_K
-            b_h = tl.load(p_h, mask=m_m[:, None] & m_k[None, :], other=0.0)                        # [BM, BK]
-            if TMA:
-                b_w = tl.trans(d_w.load([r_w, k0]))   # [BK, BN]; as in the gate/up kernel, extra rows are not stored
-            else:
-                b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)                    # [BK, BN]
-            b_acc = mma(b_h, b_w, b_acc)
-            p_h += BK
-            p_w += BK * s_wk
-        b_n, b_j = b_pair // K_ALL, b_pair % K_ALL
-        b_r = tl.load(topk_weights + b_n * K_TOP + b_j, mask=m_m & (b_j < K_TOP), other=1.0)        # [BM] 1: shared
-        p_y = y + b_pair[:, None].to(tl.int64) * W + o_n[None, :]
-        tl.store(p_y, b_acc * b_r[:, None], mask=m_m[:, None] & m_n[None, :])
-    if COMBINE:
-        tl.debug_barrier()       # every thread's part of the tile stored before the release below
-        if tl.atomic_add(done + i_n, 1, sem="acq_rel", scope="gpu") == K_ALL - 1:
-            # .cg: the other programs' tiles from L2
-            combine_columns(y, ids, residual, out, 0, o_n, o_n < W, W, E, s_rn, K_TOP, K_ALL, RESIDUAL, ".cg")
-            tl.store(done + i_n, 0)
-
-
-@triton.jit
-def combine_columns(y, ids, residual, out, i_t, o_w, m_w, W, E, s_rn, K_TOP: tl.constexpr, K_ALL: tl.constexpr,
-                    RESIDUAL: tl.constexpr, CACHE: tl.constexpr):
-    """``out[i_t] = residual[i_t] + sum_j y[i_t K + j]`` at columns o_w: j in order (shared experts last), float32
-    until the one rounding; a routed pair whose id is outside [0, E) (never computed) adds 0."""
-    b_o = tl.zeros(o_w.shape, dtype=tl.float32)                                                     # [BW]
-    for j in tl.static_range(K_ALL):
-        if j < K_TOP:
-            b_e = tl.load(ids + i_t * K_TOP + j + o_w * 0)              # [BW] the pair's id, broadcast
-            m_j = (b_e >= 0) & (b_e < E)
+    o_k = tl.arange(0, BK)
+    p_h = h + o_m[:, None].to(tl.int64) * I + o_k[None, :]               # [BM, BK]
+    p_w = w2 + i_e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None] * s_wk            # [BK, BN]
+    r_w = (i_e * W + i_n * BN).to(tl.int32)                             # the tile's first row in d_w
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        m_k = (o_k < I - k0) | EVEN_K
+        b_h = tl.load(p_h, mask=m_m[:, None] & m_k[None, :], other=0.0)                        # [BM, BK]
+        if TMA:
+            b_w = tl.trans(d_w.load([r_w, k0]))      # [BK, BN]; as in the gate/up kernel, extra rows are not stored
         else:
-            m_j = o_w >= 0
-        b_o += tl.load(y + (i_t * K_ALL + j) * W + o_w, mask=m_w & m_j, other=0.0, cache_modifier=CACHE)
-    if RESIDUAL:
-        b_o += tl.load(residual + i_t * s_rn + o_w, mask=m_w, other=0.0).to(tl.float32)
-    tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
+            b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)                    # [BK, BN]
+        b_acc = mma(b_h, b_w, b_acc)
+        p_h += BK
+        p_w += BK * s_wk
+    b_n, b_j = b_pair // K_ALL, b_pair % K_ALL
+    b_r = tl.load(topk_weights + b_n * K_TOP + b_j, mask=m_m & (b_j < K_TOP), other=1.0)        # [BM] 1: shared
+    p_y = y + b_pair[:, None].to(tl.int64) * W + o_n[None, :]
+    tl.store(p_y, b_acc * b_r[:, None], mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -311,11 +282,23 @@ def moe_combine_kernel(
     K_TOP: tl.constexpr, K_ALL: tl.constexpr, BW: tl.constexpr, RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """:func:`combine_columns` of token i_t at BW columns a program."""
+    """``out[n] = residual[n] + sum_j y[n K + j]`` over j in order (shared experts last), float32 until the one
+    rounding; a routed pair whose id is outside [0, E) (never computed) adds 0."""
     pdl_entry(PDL)
     i_t, i_w = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_w = i_w * BW + tl.arange(0, BW)
-    combine_columns(y, ids, residual, out, i_t, o_w, o_w < W, W, E, s_rn, K_TOP, K_ALL, RESIDUAL, "")
+    m_w = o_w < W
+    b_o = tl.zeros([BW], dtype=tl.float32)                                                          # [BW]
+    for j in tl.static_range(K_ALL):
+        if j < K_TOP:
+            b_e = tl.load(ids + i_t * K_TOP + j + o_w * 0)              # [BW] the pair's id, broadcast
+            m_j = (b_e >= 0) & (b_e < E)
+        else:
+            m_j = o_w >= 0
+        b_o += tl.load(y + (i_t * K_ALL + j) * W + o_w, mask=m_w & m_j, other=0.0)
+    if RESIDUAL:
+        b_o += tl.load(residual + i_t * s_rn + o_w, mask=m_w, other=0.0).to(tl.float32)
+    tl.store(out + i_t * W + o_w, cast(b_o, out.dtype.element_ty), mask=m_w)
 
 
 _ONE_TOKEN_SLOTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -353,11 +336,10 @@ def weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, cfg: MoELaunch) -> t
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
               situ_linear_beta: float = 25.0, launch: MoELaunch | None = None, num_shared: int = 0,
-              residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``fused_moe``: same contract as :func:`kimi_linear.ops.fused_moe` (arguments checked there). No host
     synchronisation; every allocation and grid depends on (N, k, E, S) and the weight shapes only. ``launch``
-    overrides :func:`moe_launch` (benchmarks). ``workspace`` (int32 zeros, at least cdiv(W, 16), left zero): one
-    token's combine in the down kernel's last programs instead of a launch of its own."""
+    overrides :func:`moe_launch` (benchmarks)."""
     N, W = x.shape
     E_all, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     E, K = E_all - num_shared, k + num_shared
@@ -394,54 +376,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     )
     y = torch.empty(M, W, dtype=torch.float32, device=x.device)
     NT2 = cdiv(W, cfg.BN2)
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    resid = out if residual is None else residual
-    s_rn = 0 if residual is None else residual.stride(0)
-    combine = N == 1 and workspace is not None
     moe_down_kernel[(NB * NT2,)](
         h, w2, slot_pair, ids, weights, y, M, W, I, E, NT2, *w2.stride(), K_TOP=k, K_ALL=K, BM=BM, BN=cfg.BN2,
         BK=cfg.BK2, EVEN_K=I % cfg.BK2 == 0, EVEN_N=W % cfg.BN2 == 0, d_w=w2 if d_w2 is None else d_w2,
-        TMA=d_w2 is not None, done=workspace if combine else ids, residual=resid, out=out, s_rn=s_rn,
-        COMBINE=combine, RESIDUAL=residual is not None, num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **pdl_args(x.device),
+        TMA=d_w2 is not None, num_warps=cfg.warps2, num_stages=cfg.stages2, **pdl_args(x.device),
     )
-    if not combine:
-        BW = min(1024, next_pow2(W))
-        moe_combine_kernel[(N, cdiv(W, BW))](
-            y, ids, resid, out, W, E, s_rn, K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4,
-            **pdl_args(x.device),
-        )
+    BW = min(1024, next_pow2(W))
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    moe_combine_kernel[(N, cdiv(W, BW))](
+        y, ids, out if residual is None else residual, out, W, E, 0 if residual is None else residual.stride(0),
+        K_TOP=k, K_ALL=K, BW=BW, RESIDUAL=residual is not None, num_warps=4, **pdl_args(x.device),
+    )
     return out
-
-
-@triton.jit
-def sigmoid_ranking(b_l, b_bias, m_e):
-    """Scores ``s = sigmoid(logits)`` and the ranking ``c = s + bias`` of [R, BE] logits (masked experts -inf).
-    NaN ranks first, as in torch.topk (it then reaches the output, as on the PyTorch path, instead of an
-    out-of-range id that the fused MoE would silently drop)."""
-    b_s = tl.sigmoid(b_l)
-    b_c = b_s + b_bias
-    return b_s, tl.where(m_e, tl.where(b_c != b_c, float("inf"), b_c), float("-inf"))
-
-
-@triton.jit
-def top_k_rows(b_s, b_c, o_e, K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr):
-    """Each row's K_TOP largest rankings b_c ([R, BE]) in decreasing order (first index on a tie), by K_TOP passes
-    of max / first-index / knock-out over the rows held in registers: (weights b_s there, optionally renormalised to
-    sum 1, [R, BK]; ids [R, BK] int32)."""
-    o_k = tl.arange(0, BK)[None, :]                                                         # [1, BK]
-    b_w = tl.zeros([b_c.shape[0], BK], dtype=tl.float32)
-    b_i = tl.zeros([b_c.shape[0], BK], dtype=tl.int32)
-    for j in tl.static_range(K_TOP):
-        b_best = tl.min(tl.where(b_c == tl.max(b_c, 1)[:, None], o_e[None, :], BE), 1)[:, None]   # [R, 1]
-        m_best = o_e[None, :] == b_best                                                     # [R, BE]
-        b_w = tl.where(o_k == j, tl.sum(tl.where(m_best, b_s, 0.0), 1)[:, None], b_w)
-        b_i = tl.where(o_k == j, b_best, b_i)
-        b_c = tl.where(m_best, float("-inf"), b_c)
-    if RENORM:
-        b_w = b_w / (tl.sum(b_w, 1)[:, None] + 1e-20)
-    return b_w, b_i
 
 
 @triton.jit
@@ -452,17 +399,30 @@ def sigmoid_topk_kernel(
     K_TOP: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One token per program: :func:`top_k_rows` of its row."""
+    """One token per program: the K_TOP largest ``sigmoid(logit) + bias`` in decreasing order (first index on a
+    tie), by K_TOP passes of max / argmin-index / knock-out over the row held in registers."""
     pdl_entry(PDL)
     i_n = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BE)
-    m_e = (o_e < E)[None, :]
-    b_l = tl.load(logits + i_n * E + o_e[None, :], mask=m_e, other=0.0)                     # [1, BE]
-    b_s, b_c = sigmoid_ranking(b_l, tl.load(bias + o_e[None, :], mask=m_e, other=0.0), m_e)
-    b_w, b_i = top_k_rows(b_s, b_c, o_e, K_TOP, BK, BE, RENORM)                             # [1, BK]
-    o_k = tl.arange(0, BK)[None, :]
-    tl.store(weights + i_n * K_TOP + o_k, b_w * scale, mask=o_k < K_TOP)
-    tl.store(ids + i_n * K_TOP + o_k, b_i.to(tl.int64), mask=o_k < K_TOP)
+    m_e = o_e < E
+    b_s = tl.sigmoid(tl.load(logits + i_n * E + o_e, mask=m_e, other=0.0))                  # [BE]
+    b_c = b_s + tl.load(bias + o_e, mask=m_e, other=0.0)
+    # NaN ranks first, as in torch.topk (it then reaches the output, as on the PyTorch path, instead of an
+    # out-of-range id that the fused MoE would silently drop).
+    b_c = tl.where(m_e, tl.where(b_c != b_c, float("inf"), b_c), float("-inf"))             # [BE]
+    o_k = tl.arange(0, BK)
+    b_w = tl.zeros([BK], dtype=tl.float32)
+    b_i = tl.zeros([BK], dtype=tl.int32)
+    for j in tl.static_range(K_TOP):
+        b_best = tl.min(tl.where(b_c == tl.max(b_c, 0), o_e, BE), 0)                       # first index of the max
+        b_w = tl.where(o_k == j, tl.sum(tl.where(o_e == b_best, b_s, 0.0), 0), b_w)
+        b_i = tl.where(o_k == j, b_best, b_i)
+        b_c = tl.where(o_e == b_best, float("-inf"), b_c)
+    if RENORM:
+        b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
+    m_k = o_k < K_TOP
+    tl.store(weights + i_n * K_TOP + o_k, b_w * scale, mask=m_k)
+    tl.store(ids + i_n * K_TOP + o_k, b_i.to(tl.int64), mask=m_k)
 
 
 def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
@@ -481,16 +441,22 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, renormalize: 
 
 
 @triton.jit
-def router_products(x, w, logits, N, E, D, s_xn, s_we, nxt, n_nxt, c_nxt, i_n, i_e,
-                    BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                    PREFETCH: tl.constexpr):
-    """Program (i_n, i_e) of a router launch: the logits of BN rows x BE experts, stored. Float32 products (exact
-    float32 FMA arithmetic, no tensor cores: the router's top-k is sensitive to the last bits) accumulated
-    elementwise over D's steps of BK, then reduced once: the steps' loads have no reduction between them and
-    overlap (a GEMV this small waits on load latency). BN is fixed by the wrapper, never by N, so a row's sums do
-    not depend on the rows beside it. With PREFETCH the program's weight rows (contiguous) go to L2 while the
-    predecessor (the norm that makes x) still runs, then its share of ``nxt`` (the shared expert's gate/up weights,
-    which the MoE reads right after the top-k whatever the routing): HBM is otherwise idle while the router runs."""
+def router_logits_kernel(
+    x, w,                    # [N, D] (row stride s_xn) any float dtype, [E, D] float32 (row stride s_we)
+    logits,                  # out: [N, E] float32
+    N, E, D, s_xn, s_we,
+    nxt, n_nxt, c_nxt,       # uint8 view of a tensor the step reads next, its n_nxt bytes, c_nxt a program's share
+    BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """BN rows x BE experts per program: float32 products (exact float32 FMA arithmetic, no tensor cores: the
+    router's top-k is sensitive to the last bits) accumulated elementwise over D's steps of BK, then reduced once:
+    the steps' loads have no reduction between them and overlap (a GEMV this small waits on load latency). BN is
+    fixed by the wrapper, never by N, so a row's sums do not depend on the rows beside it. With PREFETCH the
+    program's weight rows (contiguous) go to L2 while the predecessor (the norm that makes x) still runs, then its
+    share of ``nxt`` (the shared expert's gate/up weights, which the MoE reads right after the top-k whatever the
+    routing): HBM is otherwise idle while the router and the top-k run."""
+    i_n, i_e = tl.program_id(0), tl.program_id(1)
     if PREFETCH:
         prefetch_l2(w + (i_e * BE).to(tl.int64) * s_we, tl.minimum(E - i_e * BE, BE) * D * 4)
         o_nxt = (i_n * tl.num_programs(1) + i_e).to(tl.int64) * c_nxt                 # bytes before this share
@@ -515,55 +481,6 @@ def router_products(x, w, logits, N, E, D, s_xn, s_we, nxt, n_nxt, c_nxt, i_n, i
     tl.store(logits + o_n[:, None].to(tl.int64) * E + o_e[None, :], b_l, mask=m_n[:, None] & m_e[None, :])
 
 
-@triton.jit
-def router_logits_kernel(
-    x, w,                    # [N, D] (row stride s_xn) any float dtype, [E, D] float32 (row stride s_we)
-    logits,                  # out: [N, E] float32
-    N, E, D, s_xn, s_we,
-    nxt, n_nxt, c_nxt,       # uint8 view of a tensor the step reads next, its n_nxt bytes, c_nxt a program's share
-    BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """:func:`router_products` of every program."""
-    router_products(x, w, logits, N, E, D, s_xn, s_we, nxt, n_nxt, c_nxt, tl.program_id(0), tl.program_id(1),
-                    BN, BE, BK, PDL, PREFETCH)
-
-
-@triton.jit
-def route_kernel(
-    x, w, bias,              # [N, D] (row stride s_xn), [E, D] float32 (row stride s_we), [E] float32
-    logits,                  # out: [N, E] float32, read back by the row block's last program
-    done,                    # [>= num_programs(0)] int32 zeros: programs of each row block finished (left zero)
-    weights, ids,            # out: [N, K_TOP] float32, [N, K_TOP] int64
-    N, E, D, s_xn, s_we, scale,
-    nxt, n_nxt, c_nxt,
-    BN: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-    K_TOP: tl.constexpr, BKT: tl.constexpr, BEA: tl.constexpr, RENORM: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """The router and its top-k in one launch: every program as in :func:`router_logits_kernel`; the last of a row
-    block's programs to finish (a counter in ``done``, released after the block's logits are stored) reads the
-    block's logits back and ranks its rows (:func:`top_k_rows`), then zeroes the counter for the next launch
-    (CUDA-graph replays). Saves the top-k's own launch and its place in the step's chain of kernels."""
-    i_n, i_e = tl.program_id(0), tl.program_id(1)
-    router_products(x, w, logits, N, E, D, s_xn, s_we, nxt, n_nxt, c_nxt, i_n, i_e, BN, BE, BK, PDL, PREFETCH)
-    tl.debug_barrier()           # every thread's logits stored before the release below
-    if tl.atomic_add(done + i_n, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-        o_n = i_n * BN + tl.arange(0, BN)
-        o_e = tl.arange(0, BEA)
-        m_n, m_e = (o_n < N)[:, None], (o_e < E)[None, :]
-        # .cg: from L2, where the other programs' logits are (this SM's L1 never held them, but say so)
-        b_l = tl.load(logits + o_n[:, None].to(tl.int64) * E + o_e[None, :], mask=m_n & m_e, other=0.0,
-                      cache_modifier=".cg")                                                       # [BN, BEA]
-        b_s, b_c = sigmoid_ranking(b_l, tl.load(bias + o_e[None, :], mask=m_e, other=0.0), m_e)
-        b_w, b_i = top_k_rows(b_s, b_c, o_e, K_TOP, BKT, BEA, RENORM)                             # [BN, BKT]
-        o_k = tl.arange(0, BKT)[None, :]
-        o_out = o_n[:, None].to(tl.int64) * K_TOP + o_k
-        tl.store(weights + o_out, b_w * scale, mask=m_n & (o_k < K_TOP))
-        tl.store(ids + o_out, b_i.to(tl.int64), mask=m_n & (o_k < K_TOP))
-        tl.store(done + i_n, 0)
-
-
 # Fixed for every N (a row's sums must not depend on its batch). Decode batches read W [E, D] (295 KB for 32
 # experts x 2304) in E / 2 programs of 3 steps: few loads each, which is what a GEMV this small waits on.
 ROUTER_BN, ROUTER_BE, ROUTER_BK = 4, 2, 1024
@@ -583,8 +500,10 @@ def prefetch_share(nbytes: int, programs: int) -> int:
     return cdiv(cdiv(nbytes, programs), 16) * 16
 
 
-def _router_launch(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None):
-    """(x, weight, logits, grid, the prefetch arguments) of a router launch."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton :func:`kimi_linear.ops.moe.router_logits` (shapes checked there): [N, E] float32. ``prefetch``: a
+    tensor the step reads next, shared out between the programs and asked into L2 before they wait for their
+    predecessor (where PDL runs and :func:`prefetchable`; a hint: no result depends on it)."""
     N, D = x.shape
     E = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -594,36 +513,8 @@ def _router_launch(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor
     n_nxt = prefetch.numel() * prefetch.element_size() if prefetchable(prefetch) else 0
     c_nxt = prefetch_share(n_nxt, grid[0] * grid[1])
     nxt = prefetch.reshape(-1).view(torch.uint8) if n_nxt else logits
-    flags = dict(BN=ROUTER_BN, BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device),
-                 **prefetch_args(x.device, weight.stride(0) == D and D % 4 == 0 and weight.data_ptr() % 16 == 0))
-    return x, weight, logits, grid, (nxt, n_nxt, c_nxt), flags
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`kimi_linear.ops.moe.router_logits` (shapes checked there): [N, E] float32. ``prefetch``: a
-    tensor the step reads next, shared out between the programs and asked into L2 before they wait for their
-    predecessor (where PDL runs and :func:`prefetchable`; a hint: no result depends on it)."""
-    x, weight, logits, grid, nxt, flags = _router_launch(x, weight, prefetch)
-    router_logits_kernel[grid](x, weight, logits, x.shape[0], weight.shape[0], x.shape[1], x.stride(0),
-                               weight.stride(0), *nxt, **flags)
+    router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), nxt, n_nxt, c_nxt,
+                               BN=ROUTER_BN, BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device),
+                               **prefetch_args(x.device, weight.stride(0) == D and D % 4 == 0
+                                               and weight.data_ptr() % 16 == 0))
     return logits
-
-
-def route_workspace_size(rows: int) -> int:
-    """int32 counters :func:`route` needs for ``rows`` rows (one per row block)."""
-    return cdiv(rows, ROUTER_BN)
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scale: float,
-          workspace: torch.Tensor, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`kimi_linear.ops.moe.route` (arguments checked there): (weights [N, k] float32, ids [N, k]
-    int64) from one launch; ``workspace``: at least :func:`route_workspace_size` int32 zeros, left zero."""
-    x, weight, logits, grid, nxt, flags = _router_launch(x, weight, prefetch)
-    N, E = logits.shape
-    weights = torch.empty(N, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(N, k, dtype=torch.int64, device=x.device)
-    if N:
-        route_kernel[grid](x, weight, bias.float().contiguous(), logits, workspace, weights, ids, N, E, x.shape[1],
-                           x.stride(0), weight.stride(0), float(scale), *nxt, K_TOP=k, BKT=next_pow2(k),
-                           BEA=next_pow2(E), RENORM=renormalize, **flags)
-    return weights, ids
