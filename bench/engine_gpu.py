@@ -167,8 +167,8 @@ def bench_engine(model: KimiLinearForCausalLM, seqs: int, tokens: int, block_siz
                  **cfg: Any) -> LLMEngine:
     """An engine for ``seqs`` sequences of up to ``tokens`` tokens each (MLA blocks for all of them, two spare a
     sequence), without prefix caching or snapshots (every prompt computed), graphs captured; ``block_size`` None:
-    EngineConfig's; ``cfg``: more EngineConfig fields."""
-    block = block_size or EngineConfig.block_size
+    EngineConfig's default for the model's device; ``cfg``: more EngineConfig fields."""
+    block = block_size or EngineConfig().resolved(next(model.parameters()).device.type).block_size
     engine = LLMEngine(model, EngineConfig(max_num_seqs=seqs, num_blocks=seqs * (math.ceil(tokens / block) + 2),
                                            num_snapshots=0, prefix_caching=False, block_size=block, **cfg))
     engine.capture_cuda_graphs()
