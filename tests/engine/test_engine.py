@@ -171,7 +171,10 @@ def test_memory_budget_sizes_pools_and_errors_name_the_field(model):
     with pytest.raises(ValueError, match="`memory`"):
         LLMEngine(model, EngineConfig(max_num_seqs=4, memory=1000))
     with pytest.raises(ValueError, match="`prefill_chunk`"):
-        EngineConfig(prefill_chunk=20).validate()
+        EngineConfig(prefill_chunk=20).resolved("cpu")
+    with pytest.raises(ValueError, match="`prefill_chunk` \\(48\\) must be a multiple of `block_size` \\(64\\)"):
+        EngineConfig(prefill_chunk=48).resolved("cuda")           # a GPU's blocks are 64 tokens, a CPU's 16
+    EngineConfig(prefill_chunk=48).resolved("cpu")
     with pytest.raises(ValueError, match="`max_tokens`"):
         engine.check_request([1, 2], SamplingParams(max_tokens=-1))
     with pytest.raises(ValueError, match="context"):

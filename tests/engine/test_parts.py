@@ -168,7 +168,12 @@ def test_resolved_defaults():
     cpu, gpu = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
     assert (cpu.prefill_chunk, cpu.max_num_batched_tokens, cpu.cuda_graphs) == (64, 64, False)
     assert (gpu.prefill_chunk, gpu.max_num_batched_tokens, gpu.cuda_graphs) == (2048, 32768, True)
+    assert (cpu.block_size, gpu.block_size) == (16, 64) and EngineConfig().block_size is None
     assert EngineConfig(block_size=48).resolved("cuda").prefill_chunk == 2016
+    assert EngineConfig(block_size=16).resolved("cuda").block_size == 16
+    assert EngineConfig(block_size=None, prefill_chunk=100).validate().block_size is None   # resolved later
+    with pytest.raises(ValueError, match="`block_size`"):
+        EngineConfig(block_size=0).validate()
     with pytest.raises(ValueError, match="`max_num_batched_tokens`"):
         EngineConfig(max_num_batched_tokens=True).validate()  # type: ignore[arg-type]
 

@@ -28,7 +28,9 @@ class EngineConfig:
         left after the fixed parts. Ignored when ``num_blocks`` is given. ``None`` with no ``num_blocks``: room for
         ``max_num_seqs`` sequences of the full context, at most 4 GiB of MLA blocks.
     num_blocks: MLA latent blocks in the paged pool (each ``block_size`` tokens for every MLA layer).
-    block_size: tokens per MLA block, and the granularity of prefix sharing.
+    block_size: tokens per MLA block, and the granularity of prefix sharing. ``None``: 64 on a GPU (one block a key
+        tile of the paged decode kernel, as FlashMLA's pages; H200, 1 x 131,072 keys: 76.8 us a call against 79.9
+        with 16-token blocks; the engine's batch-1 step at 128k: 0.979 ms against 0.983), 16 on CPU.
     prefill_chunk: most prompt tokens of one sequence in one step (a multiple of ``block_size``). Prompt chunks end
         at multiples of it, and the KDA state is snapshotted there for prefix caching: it is the prefix-cache
         granularity of the KDA layers. ``None``: 64 on CPU, 2048 on a GPU.
@@ -70,7 +72,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     memory: int | None = None
     num_blocks: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
     mixed_steps: bool = False
@@ -84,8 +86,10 @@ class EngineConfig:
         """A validated copy with the device-dependent defaults (``None`` fields) filled in."""
         gpu = device_type == "cuda"
         cfg = EngineConfig(**{**self.__dict__})
+        if cfg.block_size is None:
+            cfg.block_size = 64 if gpu else 16
         if cfg.prefill_chunk is None:
-            cfg.prefill_chunk = max(2048 if gpu else 64, self.block_size) // self.block_size * self.block_size
+            cfg.prefill_chunk = max(2048 if gpu else 64, cfg.block_size) // cfg.block_size * cfg.block_size
         if cfg.max_num_batched_tokens is None:
             cfg.max_num_batched_tokens = 32768 if gpu else cfg.prefill_chunk
         if cfg.max_num_scored_tokens is None:
@@ -99,11 +103,11 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_num_batched_tokens", "max_num_scored_tokens"):
             v = getattr(self, name)
-            if v is None and name in ("prefill_chunk", "max_num_batched_tokens", "max_num_scored_tokens"):
+            if v is None and name != "max_num_seqs":
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {v!r}")
-        if self.prefill_chunk is not None and self.prefill_chunk % self.block_size:
+        if self.prefill_chunk is not None and self.block_size is not None and self.prefill_chunk % self.block_size:
             raise ValueError(f"`prefill_chunk` ({self.prefill_chunk}) must be a multiple of `block_size` "
                              f"({self.block_size})")
         if self.num_blocks is not None and self.num_blocks < 1:

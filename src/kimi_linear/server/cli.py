@@ -32,7 +32,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="bytes for the cache pools, e.g. 2GiB (default: room for max-num-seqs full-context "
                         "sequences, at most 4 GiB of MLA blocks)")
     s.add_argument("--num-blocks", type=int, default=None, help="MLA latent blocks (overrides --memory)")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per MLA block (default 16)")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="tokens per MLA block, the granularity of prefix sharing (default: 64 on a GPU, 16 on CPU)")
     s.add_argument("--prefill-chunk", type=int, default=None,
                    help="most prompt tokens of one request per step, a multiple of --block-size; also where KDA "
                         "states are snapshotted for prefix caching (default 64 on CPU, 2048 on a GPU)")
