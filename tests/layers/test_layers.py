@@ -162,16 +162,8 @@ def test_kda_pooled_decode_with_triton_conv_decode(kda, monkeypatch):
         return out[:3], pool.conv[:5].clone(), pool.recurrent[:5].clone()
 
     ref = run()
-    seen = []
-
-    def decode(x, w, pool, index, prefetch=None):
-        seen.append(prefetch)
-        return tri_decode(x, w, pool, index, prefetch)
-
-    monkeypatch.setattr(conv_op, "triton_op", lambda name, x: decode if name == "short_conv_decode" else None)
+    monkeypatch.setattr(conv_op, "triton_op", lambda name, x: tri_decode if name == "short_conv_decode" else None)
     got = run()
-    # every step hands o_proj's weight on to be asked into L2 (a hint: CPU and the interpreter ask nothing)
-    assert len(seen) == 4 and all(w is kda.o_proj.weight for w in seen)
     assert rel_err(got[0], ref[0]) < 1e-5
     assert torch.equal(got[1], ref[1]) and rel_err(got[2], ref[2]) < 1e-5
     with torch.no_grad():                                   # and the pooled steps continue the prefill exactly

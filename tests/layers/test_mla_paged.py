@@ -48,23 +48,3 @@ def test_paged_view_takes_one_token():
                            torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="one token"):
         m(torch.randn(1, 2, 16), view)
-
-
-def test_paged_step_hands_o_proj_to_the_value_expansion(monkeypatch):
-    """The paged step asks the value expansion to prefetch o_proj's weight (read right after it)."""
-    import kimi_linear.layers.mla as mla_layer
-
-    seen = []
-
-    def expand(ctx, w_v, prefetch=None):
-        seen.append(prefetch)
-        return md_expand(ctx, w_v, prefetch)
-
-    md_expand = mla_layer.expand_values
-    monkeypatch.setattr(mla_layer, "expand_values", expand)
-    m = NoPEMLA(16, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4).eval()
-    view = PagedLatentView(torch.randn(2, 4, 12), torch.zeros(1, 2, dtype=torch.int32),
-                           torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-    with torch.no_grad():
-        m(torch.randn(1, 1, 16), view)
-    assert len(seen) == 1 and seen[0] is m.o_proj.weight

@@ -99,12 +99,11 @@ BUILD_SM90 = """
 from kimi_linear.ops.triton.mla_heads import BB, BK, head_products_kernel
 
 sig = dict(x="*bf16", w="*bf16", out="*bf16", B="i32", H="i32", K="i32", N="i32", s_xb="i64", s_xh="i64",
-           s_wh="i64", s_wk="i64", s_wn="i64", nxt="*u8", n_nxt="i64", c_nxt="i64")
-# absorb_query's (the rope copy), expand_values' (with o_proj's L2 prefetch); wide
-for R, BN, pre in ((64, 64, False), (0, 16, True), (64, 128, False), (0, 128, True)):
+           s_wh="i64", s_wk="i64", s_wn="i64")
+for R, BN in ((64, 64), (0, 16), (64, 128), (0, 128)):   # absorb_query's (the rope copy), expand_values'; wide
     ck = compile(head_products_kernel, sig, dict(W_OUT=512 + R, R=R, BB=BB, BN=BN, BK=BK, BR=64, PREC="tf32",
-                                                 PDL=True, PREFETCH=pre))
-    assert len(ck.asm["cubin"]) > 0 and ck.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") == int(pre)
+                                                 PDL=True))
+    assert len(ck.asm["cubin"]) > 0
 print("BUILT")
 """
 

@@ -389,6 +389,17 @@ def test_triton_weight_descriptors(N, E, k, S, W, I, launch, dtype, monkeypatch)
     assert built[-1][0] is None and rel_err(got_t, want) < BARS[dtype]
 
 
+def test_prefetch_shares_cover_the_tensor_once():
+    """Each router program's share of the tensor asked into L2: 16-byte pieces that cover [0, nbytes) exactly."""
+    from kimi_linear.ops.triton.moe import prefetch_share
+
+    for nbytes, programs in [(9_437_184, 16), (16, 16), (48, 5), (4_718_592, 7), (0, 3)]:
+        share = prefetch_share(nbytes, programs)
+        pieces = [(p * share, min((p + 1) * share, nbytes)) for p in range(programs) if p * share < nbytes]
+        assert share % 16 == 0 and all((b - a) % 16 == 0 and b > a for a, b in pieces)
+        assert sum(b - a for a, b in pieces) == nbytes and all(x[1] == y[0] for x, y in zip(pieces, pieces[1:]))
+
+
 def test_moe_layer_prefetches_its_shared_expert(monkeypatch):
     """With the fused path (Triton under the interpreter) and the shared expert stacked last, the layer hands the
     router that expert's gate/up slab of the stack to ask into L2 (a hint: the output is the same without it);

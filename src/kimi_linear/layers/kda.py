@@ -166,10 +166,8 @@ class KimiDeltaAttention(nn.Module):
             state.conv_pool.index_copy_(0, state.index, windows.to(state.conv_pool.dtype))
             return y
         if isinstance(state, PooledKDAState) and x.shape[1] == 1 and pos is None and prev is None:
-            # the decode step: gather, conv and write-back of the windows in one kernel on CUDA, which also asks
-            # o_proj's weight into L2 for after the gates, the recurrence and the norm (they leave HBM idle)
-            return short_conv_decode(x, self._conv_weight(x.dtype), state.conv_pool, state.index,
-                                     prefetch=self.o_proj.weight)
+            # the decode step: gather, conv and write-back of the windows in one kernel on CUDA
+            return short_conv_decode(x, self._conv_weight(x.dtype), state.conv_pool, state.index)
         past = prev if prev is not None else state.conv if state is not None else None
         y, window = short_conv(x, self._conv_weight(x.dtype), past, pos)
         if state is not None:

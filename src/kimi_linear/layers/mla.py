@@ -361,8 +361,7 @@ class NoPEMLA(nn.Module):
         q_lat = absorb_query(q[:, :, 0], w_k)                                       # [B, H, C + rope]
         ctx = paged_mla_decode(q_lat, view.data, view.block_table, view.seq_lens, self.scale,
                                self.kv_lora_rank, num_splits=view.num_splits)     # [B, H, C]
-        # o_proj's weight goes to L2 while the attention's merge runs (a hint to the Triton path)
-        return expand_values(ctx, w_v, prefetch=self.o_proj.weight)[:, :, None]
+        return expand_values(ctx, w_v)[:, :, None]
 
     def _varlen(self, q: torch.Tensor, entry: torch.Tensor, cache: VarlenLatents) -> torch.Tensor:
         """Packed sequences, each over its own past and new entries. q: [1, H, T, qk]; entry: [1, T, 576]. Returns

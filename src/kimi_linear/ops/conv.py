@@ -131,7 +131,7 @@ def check_short_conv_decode_inputs(x: torch.Tensor, weight: torch.Tensor, conv_p
 
 
 def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
-                      index: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                      index: torch.Tensor) -> torch.Tensor:
     """One token of :func:`short_conv` per row, with the windows living in a pool that is updated in place.
 
     x: [B, C] or [B, 1, C] (may be a slice of a packed projection); weight: [W, C]; conv_pool: [slots, W-1, C] the
@@ -141,15 +141,12 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
 
     On CUDA, when no gradient is needed, one Triton kernel does the gather, the convolution and the write-back
     (PyTorch: index_select, the conv, the next window, index_copy_); this path is the reference and the fallback.
-    prefetch: a tensor on x's device that the step reads a few kernels later (the KDA layer passes its output
-    projection's weight); the kernel asks it into L2 while HBM is otherwise idle. A hint only: no result depends
-    on it, and the PyTorch path ignores it.
     """
     check_short_conv_decode_inputs(x, weight, conv_pool, index)
     # The kernel computes and stores the window in float32: float64 stays on the PyTorch path.
     fast = for_inference(triton_op("short_conv_decode", x), x, weight)
     if fast is not None and conv_pool.stride(2) == 1 and conv_pool.stride(1) == x.shape[-1]:
-        return fast(x, weight, conv_pool, index, prefetch)
+        return fast(x, weight, conv_pool, index)
     past = conv_pool.index_select(0, index)
     y, window = short_conv(x.reshape(x.shape[0], 1, x.shape[-1]), weight, past)
     conv_pool.index_copy_(0, index, window.to(conv_pool.dtype))

@@ -55,14 +55,13 @@ def expand_values_torch(ctx: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhc,hvc->bhv", ctx, w_v)
 
 
-def expand_values(ctx: torch.Tensor, w_v: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def expand_values(ctx: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     """ctx [B, H, C], w_v [H, v, C] (any strides) -> every head's output ``W_v[h] ctx_bh``: [B, H, v] in ctx's
-    dtype. ``prefetch``: a tensor the step reads next (the layer's output projection), asked into L2 by the
-    Triton kernel while the attention's merge still runs; a hint only, ignored by the PyTorch path."""
+    dtype."""
     _check("expand_values", ctx, w_v, w_v.shape[2])
     if ctx.shape[2] != w_v.shape[2]:
         raise ValueError(f"expand_values: ctx's width {ctx.shape[2]} is not W_v's latent width {w_v.shape[2]}")
     fast = None
     if ctx.shape[0] <= EXPAND_KERNEL_ROWS:
         fast = for_inference(triton_op("expand_values", ctx), ctx, w_v)
-    return expand_values_torch(ctx, w_v) if fast is None else fast(ctx, w_v, prefetch)
+    return expand_values_torch(ctx, w_v) if fast is None else fast(ctx, w_v)

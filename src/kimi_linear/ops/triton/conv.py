@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .chunk_common import cast
 from .ints import cdiv, next_pow2
-from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_part_l2, prefetch_plan
+from .pdl import pdl_args, pdl_entry
 
 
 @triton.jit
@@ -119,19 +119,14 @@ def short_conv_decode_kernel(
     x, w, pool, index,                # [B, C] (row stride sx), [W, C], [slots, W-1, C] (slot stride sp), [B] int64
     y,                                # out: [B, C] contiguous, x's dtype
     C, sx, sp,
-    nxt, n_nxt, c_nxt,                # uint8 view of a weight a later kernel of the step reads, its bytes, a part
     W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token of each row: ``full = [pool[index[b]]; x_b]`` (W rows), ``y_b = silu(sum_j w_j full_j)``, and
     pool row ``index[b]`` becomes ``full[1:]``. A program owns (row, channel block): it reads the whole window,
-    then (after a barrier, because the shifted rows live in other threads) writes it back shifted by one.
-    With PREFETCH each program first asks its part of ``nxt`` into L2 (the KDA layer's output projection, read
-    after the gates, the recurrence and the norm, which leave HBM mostly idle)."""
-    i_b, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if PREFETCH:
-        prefetch_part_l2(nxt, n_nxt, c_nxt, i_b * tl.num_programs(1) + i_c)
+    then (after a barrier, because the shifted rows live in other threads) writes it back shifted by one."""
     pdl_entry(PDL)
+    i_b, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = (o_c < C)[None, :]
     r = tl.arange(0, WP)[:, None]                                          # [WP, 1] rows of full
@@ -211,10 +206,9 @@ BC_DECODE = 512
 
 
 def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
-                      index: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                      index: torch.Tensor) -> torch.Tensor:
     """:func:`kimi_linear.ops.conv.short_conv_decode` (arguments checked there): y in x's shape and dtype; updates
-    conv_pool in place. Forward only. ``prefetch``: a tensor a later kernel of the step reads, asked into L2 by the
-    programs before they wait for their predecessor (a hint, where PDL runs: no result depends on it)."""
+    conv_pool in place. Forward only."""
     B, C = x.shape[0], x.shape[-1]
     x2 = x.reshape(B, C)                     # a view for [B, 1, C] slices of a packed projection
     if x2.stride(1) != 1:
@@ -223,11 +217,8 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
     W = weight.shape[0]
     y = torch.empty(B, C, dtype=x.dtype, device=x.device)
     BC = min(BC_DECODE, next_pow2(C))
-    grid = (B, cdiv(C, BC))
-    nxt, n_nxt, c_nxt = prefetch_plan(prefetch, grid[0] * grid[1], y)
-    short_conv_decode_kernel[grid](
+    short_conv_decode_kernel[(B, cdiv(C, BC))](
         x=x2, w=weight, pool=conv_pool, index=index.contiguous(), y=y, C=C, sx=x2.stride(0), sp=conv_pool.stride(0),
-        nxt=nxt, n_nxt=n_nxt, c_nxt=c_nxt, W=W, WP=next_pow2(W), BC=BC, num_warps=4, **pdl_args(x.device),
-        **prefetch_args(x.device, n_nxt > 0),
+        W=W, WP=next_pow2(W), BC=BC, num_warps=4, **pdl_args(x.device),
     )
     return y.view(x.shape)

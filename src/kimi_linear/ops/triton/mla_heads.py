@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .chunk_common import cast, mm
 from .ints import cdiv, next_pow2
-from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_part_l2, prefetch_plan
+from .pdl import pdl_args, pdl_entry
 
 BB = 16         # rows of a program (the smallest M of a tensor-core product; a batch-1 step pads 15)
 BK = 64         # reduction steps
@@ -25,18 +25,14 @@ def head_products_kernel(
     x, w,                    # [B, H, *] (strides s_xb, s_xh, unit), [H, K, N] (strides s_wh, s_wk, s_wn)
     out,                     # out: [B, H, W_OUT] contiguous, columns 0 .. N (and N .. N + R with COPY)
     B, H, K, N, s_xb, s_xh, s_wh, s_wk, s_wn,
-    nxt, n_nxt, c_nxt,       # uint8 view of a weight a later kernel of the step reads, its bytes, a program's part
     W_OUT: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BR: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BR: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (head h, column block j, row block i): ``out[b, h, jBN:(j+1)BN] = x[b, h, :K] @ w[h, :, jBN:]`` for
     the block's rows, float32 accumulation, one rounding. With R > 0, column block 0 also copies ``x[b, h, K:K+R]``
-    to ``out[b, h, N:N+R]`` (the absorbed query's rope part). With PREFETCH each program first asks its part of
-    ``nxt`` into L2 (the value expansion: the layer's output projection, while the attention's merge runs)."""
-    i_h, i_j, i_i = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    if PREFETCH:
-        prefetch_part_l2(nxt, n_nxt, c_nxt, (i_i * tl.num_programs(1) + i_j) * tl.num_programs(0) + i_h)
+    to ``out[b, h, N:N+R]`` (the absorbed query's rope part)."""
     pdl_entry(PDL)
+    i_h, i_j, i_i = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_b = i_i * BB + tl.arange(0, BB)
     o_n = i_j * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
@@ -71,19 +67,17 @@ def columns(B: int, H: int, N: int, narrowest: int) -> int:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, K: int, N: int, s_w: tuple[int, int, int], R: int,
-            narrowest: int, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+            narrowest: int) -> torch.Tensor:
     B, H = x.shape[:2]
     BN = columns(B, H, N, narrowest)
     if x.stride(2) != 1:
         x = x.contiguous()
     out = torch.empty(B, H, N + R, dtype=x.dtype, device=x.device)
     if B:
-        grid = (H, cdiv(N, BN), cdiv(B, BB))
-        nxt, n_nxt, c_nxt = prefetch_plan(prefetch, grid[0] * grid[1] * grid[2], out)
-        head_products_kernel[grid](
-            x, w, out, B, H, K, N, x.stride(0), x.stride(1), *s_w, nxt, n_nxt, c_nxt, W_OUT=N + R, R=R, BB=BB, BN=BN,
-            BK=BK, BR=max(16, 1 << max(R - 1, 0).bit_length()), PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, **pdl_args(x.device), **prefetch_args(x.device, n_nxt > 0),
+        head_products_kernel[(H, cdiv(N, BN), cdiv(B, BB))](
+            x, w, out, B, H, K, N, x.stride(0), x.stride(1), *s_w, W_OUT=N + R, R=R, BB=BB, BN=BN, BK=BK,
+            BR=max(16, 1 << max(R - 1, 0).bit_length()), PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=4, **pdl_args(x.device),
         )
     return out
 
@@ -95,9 +89,9 @@ def absorb_query(q: torch.Tensor, w_k: torch.Tensor) -> torch.Tensor:
     return _launch(q, w_k, nope, C, (w_k.stride(0), w_k.stride(1), w_k.stride(2)), q.shape[2] - nope, 64)
 
 
-def expand_values(ctx: torch.Tensor, w_v: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def expand_values(ctx: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     """Triton :func:`kimi_linear.ops.mla_heads.expand_values` (arguments checked there): W_v [H, v, C] read as
     [H, C, v]; 16 value columns a program at batch 1 (256 programs for 32 heads and v = 128), more at large
-    batches (:func:`columns`). ``prefetch``: asked into L2 by the programs before they wait (a hint)."""
+    batches (:func:`columns`)."""
     v, C = w_v.shape[1], w_v.shape[2]
-    return _launch(ctx, w_v, C, v, (w_v.stride(0), w_v.stride(2), w_v.stride(1)), 0, 16, prefetch)
+    return _launch(ctx, w_v, C, v, (w_v.stride(0), w_v.stride(2), w_v.stride(1)), 0, 16)

@@ -40,7 +40,7 @@ import triton.language as tl
 from .chunk_common import cast
 from .fastmath import INTERPRET
 from .ints import cdiv, next_pow2
-from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2, prefetch_part_l2, prefetch_plan
+from .pdl import pdl_args, pdl_entry, prefetch_args, prefetch_l2
 from .tma import tensor_descriptor_class, tma_supported
 
 
@@ -459,7 +459,9 @@ def router_logits_kernel(
     i_n, i_e = tl.program_id(0), tl.program_id(1)
     if PREFETCH:
         prefetch_l2(w + (i_e * BE).to(tl.int64) * s_we, tl.minimum(E - i_e * BE, BE) * D * 4)
-        prefetch_part_l2(nxt, n_nxt, c_nxt, i_n * tl.num_programs(1) + i_e)
+        o_nxt = (i_n * tl.num_programs(1) + i_e).to(tl.int64) * c_nxt                 # bytes before this share
+        if o_nxt < n_nxt:
+            prefetch_l2(nxt + o_nxt, tl.minimum(n_nxt - o_nxt, c_nxt).to(tl.int32))
     pdl_entry(PDL)
     o_n = i_n * BN + tl.arange(0, BN)
     o_e = i_e * BE + tl.arange(0, BE)
@@ -484,17 +486,33 @@ def router_logits_kernel(
 ROUTER_BN, ROUTER_BE, ROUTER_BK = 4, 2, 1024
 
 
+def prefetchable(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` can be asked into L2 in 16-byte multiples (:func:`~.pdl.prefetch_l2`): contiguous, its start
+    16-byte aligned and its size a multiple of 16 bytes."""
+    return (t is not None and t.is_contiguous() and t.data_ptr() % 16 == 0
+            and (t.numel() * t.element_size()) % 16 == 0)
+
+
+def prefetch_share(nbytes: int, programs: int) -> int:
+    """Bytes each of ``programs`` programs asks into L2 of an ``nbytes`` tensor (a multiple of 16): program p takes
+    ``[p share, min((p + 1) share, nbytes))``, so together they cover it once, each piece a multiple of 16 bytes
+    (nbytes is one: :func:`prefetchable`)."""
+    return cdiv(cdiv(nbytes, programs), 16) * 16
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`kimi_linear.ops.moe.router_logits` (shapes checked there): [N, E] float32. ``prefetch``: a
     tensor the step reads next, shared out between the programs and asked into L2 before they wait for their
-    predecessor (where PDL runs and :func:`~.pdl.prefetchable`; a hint: no result depends on it)."""
+    predecessor (where PDL runs and :func:`prefetchable`; a hint: no result depends on it)."""
     N, D = x.shape
     E = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
     grid = (cdiv(N, ROUTER_BN), cdiv(E, ROUTER_BE))
-    nxt, n_nxt, c_nxt = prefetch_plan(prefetch, grid[0] * grid[1], logits)
+    n_nxt = prefetch.numel() * prefetch.element_size() if prefetchable(prefetch) else 0
+    c_nxt = prefetch_share(n_nxt, grid[0] * grid[1])
+    nxt = prefetch.reshape(-1).view(torch.uint8) if n_nxt else logits
     router_logits_kernel[grid](x, weight, logits, N, E, D, x.stride(0), weight.stride(0), nxt, n_nxt, c_nxt,
                                BN=ROUTER_BN, BE=ROUTER_BE, BK=ROUTER_BK, num_warps=4, **pdl_args(x.device),
                                **prefetch_args(x.device, weight.stride(0) == D and D % 4 == 0

@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .ints import cdiv
-
 # A Triton without gdc_wait (older releases) launches every kernel as before.
 ENABLED = os.environ.get("TRITON_INTERPRET", "0") != "1" and hasattr(tl.extra.cuda, "gdc_wait")
 
@@ -67,37 +65,3 @@ def prefetch_l2(p, nbytes):
         "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [p, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_part_l2(nxt, n_nxt, c_nxt, i_p):
-    """Program ``i_p``'s part of the ``n_nxt`` bytes at ``nxt`` into L2 (:func:`prefetch_l2`): bytes
-    ``[i_p c_nxt, min((i_p + 1) c_nxt, n_nxt))``, nothing past the end (:func:`prefetch_plan` makes the parts)."""
-    o_nxt = i_p.to(tl.int64) * c_nxt                                         # bytes before this part
-    if o_nxt < n_nxt:
-        prefetch_l2(nxt + o_nxt, tl.minimum(n_nxt - o_nxt, c_nxt).to(tl.int32))
-
-
-def prefetchable(t: torch.Tensor | None) -> bool:
-    """Whether ``t`` can be asked into L2 in 16-byte multiples (:func:`prefetch_l2`): contiguous, its start
-    16-byte aligned and its size a multiple of 16 bytes."""
-    return (t is not None and t.is_contiguous() and t.data_ptr() % 16 == 0
-            and (t.numel() * t.element_size()) % 16 == 0)
-
-
-def prefetch_share(nbytes: int, programs: int) -> int:
-    """Bytes each of ``programs`` programs asks into L2 of an ``nbytes`` tensor (a multiple of 16): program p takes
-    ``[p share, min((p + 1) share, nbytes))``, so together they cover it once, each piece a multiple of 16 bytes
-    (nbytes is one: :func:`prefetchable`)."""
-    return cdiv(cdiv(nbytes, programs), 16) * 16
-
-
-def prefetch_plan(t: torch.Tensor | None, programs: int, idle: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """The ``(nxt, n_nxt, c_nxt)`` arguments of :func:`prefetch_part_l2` for a launch of ``programs`` programs
-    sharing out ``t`` (a tensor a later kernel of the step reads): a byte view of it, its size and one program's
-    part; ``(idle, 0, 0)`` (any tensor of the launch in its place, nothing asked for) when ``t`` is None, on
-    another device or not :func:`prefetchable`."""
-    if t is None or t.device != idle.device or not prefetchable(t):
-        return idle, 0, 0
-    nbytes = t.numel() * t.element_size()
-    return t.reshape(-1).view(torch.uint8), nbytes, prefetch_share(nbytes, programs)
