@@ -92,7 +92,8 @@ def ensure_fla() -> str | None:
             except (subprocess.CalledProcessError, OSError) as e:
                 print(f"fla-core 0.6.0 could not be downloaded ({e})", file=sys.stderr)
         wheels, site = sorted(cached.glob("*.whl")), cache_dir() / "site"
-    wheels += sorted((REPO / ".whl").glob("fla_core-0.6.0-*.whl"))
+    if not any(w.name.startswith("fla_core-0.6.0-") for w in wheels):     # one copy: pip refuses a requirement twice
+        wheels += sorted((REPO / ".whl").glob("fla_core-0.6.0-*.whl"))
     if not any(w.name.startswith("fla_core-0.6.0-") for w in wheels):
         return None
     if not (site / "fla").is_dir():
