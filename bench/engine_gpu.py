@@ -124,8 +124,10 @@ def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
     res: dict[str, Any] = {}
     ok = True
     # Each model's row is printed as soon as it is checked, so a run cut by a time limit keeps what it finished.
+    block = args.block_size or EngineConfig().resolved(torch.device(args.device).type).block_size
     print(f"\n## (a) float32 greedy tokens against generate on the hybrid cache, {args.requests} requests (prompts "
-          f"1-{args.max_prompt - 1}, outputs 4-{args.max_new - 1}), max_num_seqs {args.max_num_seqs}\n")
+          f"1-{args.max_prompt - 1}, outputs 4-{args.max_new - 1}), max_num_seqs {args.max_num_seqs}, the engine's "
+          f"MLA blocks {block} tokens\n")
     print("| model | engine, CUDA graphs | engine, eager | engine, mixed steps | generate, CUDA graphs | pass | s |")
     print("|---|---|---|---|---|---|---|", flush=True)
     f = lambda a: f"{a['identical']}/{a['of']} (near-ties {a['near_tie_flips']}, other {a['mismatches']})"
@@ -135,7 +137,7 @@ def part_a(args: argparse.Namespace) -> tuple[dict, bool]:
         rng = random.Random(0)
         reqs = [([rng.randrange(vocab) for _ in range(rng.randrange(1, args.max_prompt))],
                  rng.randrange(4, args.max_new)) for _ in range(args.requests)]
-        cfg = dict(max_num_seqs=args.max_num_seqs, block_size=16)
+        cfg = dict(max_num_seqs=args.max_num_seqs, block_size=block)
         t0 = time.perf_counter()
         ref = run_single(model, reqs, graphs=False)
         runs = dict(engine_graphs=run_engine(model, EngineConfig(cuda_graphs=True, **cfg), reqs),
@@ -431,7 +433,8 @@ def main() -> int:
                     help="top-2 log-prob gap under which a float32 token flip counts as a near-tie (default 1e-4)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="the engine's MLA block size in (b) (default: EngineConfig's, 16; generate's pools use 64)")
+                    help="the engine's MLA block size in (a) and (b) (default: EngineConfig's for the device: 64 on "
+                         "a GPU, 16 on CPU; generate's pools use 64)")
     args = ap.parse_args()
     args.engine_cfg = {"block_size": args.block_size} if args.block_size else {}
     args.check_models = args.check_models.split(",")

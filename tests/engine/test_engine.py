@@ -50,12 +50,15 @@ def run_all(engine: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]]
     return outs
 
 
-def test_continuous_batching_matches_single_request_greedy(model):
+@pytest.mark.parametrize("block_size, prefill_chunk, max_prompt", [(None, 32, 50), (64, 64, 150)])
+def test_continuous_batching_matches_single_request_greedy(model, block_size, prefill_chunk, max_prompt):
+    """CPU's default 16-token blocks, and a GPU's default 64 (prompts long enough to span several blocks)."""
     rng = random.Random(1)
-    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, 50))],
+    reqs = {str(i): ([rng.randrange(256) for _ in range(rng.randrange(1, max_prompt))],
                      SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0, logprobs=0)) for i in range(8)}
-    # 5 slots for 8 requests: they join and leave between steps; prefill chunks of 32 interleave with decode.
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=5, prefill_chunk=32))
+    # 5 slots for 8 requests: they join and leave between steps; prefill chunks interleave with decode.
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=5, prefill_chunk=prefill_chunk, block_size=block_size))
+    assert engine.cfg.block_size == (block_size or 16)
     lps: dict[str, list[float]] = {k: [] for k in reqs}
     outs = run_all(engine, reqs, lambda o: lps[o.request_id].extend(lp for _, lp, _ in o.logprobs))
     for k, (p, sp) in reqs.items():
