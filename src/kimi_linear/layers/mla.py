@@ -11,6 +11,7 @@ from torch import nn
 
 from kimi_linear.ops import absorb_query, expand_values, paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
+from kimi_linear.ops.mla_heads import absorb_query_torch, expand_values_torch
 from kimi_linear.ops.paged import pool_rows
 from kimi_linear.ops.rms_norm import rms_norm_write
 
@@ -346,13 +347,15 @@ class NoPEMLA(nn.Module):
 
     def _absorbed(self, q: torch.Tensor, entry: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         """One query per row against the latent cache. q: [B, H, 1, qk]; entry: [B, L, 576]. Returns [B, H, 1, v]."""
-        q_lat, w_v = self._latent_query(q)
+        w_k, w_v = self._head_weights()
+        # the PyTorch products on every device: this path is the reference the paged (Triton) step is checked against
+        q_lat = absorb_query_torch(q[:, :, 0], w_k)[:, :, None]                    # [B, H, 1, C + rope]
         scores = upcast(q_lat @ entry[:, None].transpose(-1, -2)) * self.scale    # [B, H, 1, L]
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         p = scores.softmax(-1).to(entry.dtype)
         ctx = p @ entry[:, None, :, : self.kv_lora_rank]                            # [B, H, 1, C]
-        return torch.einsum("bhtc,hvc->bhtv", ctx, w_v)
+        return expand_values_torch(ctx[:, :, 0], w_v)[:, :, None]
 
     def _paged(self, q: torch.Tensor, view: PagedLatentView) -> torch.Tensor:
         """The absorbed step over a paged pool (the new entries already written). q: [B, H, 1, qk]. Returns
@@ -392,13 +395,6 @@ class NoPEMLA(nn.Module):
         """kv_b_proj's weight per head: (W_k [H, nope, C], W_v [H, v, C]), views."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
-
-    def _latent_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [B, H, T, qk] -> (the absorbed query [B, H, T, C + rope] = [q_nope W_k | q_rope], W_v [H, v, C])."""
-        w_k, w_v = self._head_weights()                                             # [H, nope|v, C]
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        # [B, H, T, C | rope]: the query expressed in the cache's own coordinates.
-        return torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_k), q_rope], dim=-1), w_v
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
