@@ -28,12 +28,12 @@ import triton.language as tl
 
 from .chunk_common import (
     SAFE_EXP,
-    cast,
     chunk_coords,
     grid_coords,
     halves_fall_little,
     load_norms,
     load_rows,
+    store_rows,
     sub_block_totals,
     sub_blocks_fall_little,
 )
@@ -59,40 +59,35 @@ def needs_diagonal_kernel(b_t0, b_t1, b_t2, b_t3, HALVES: tl.constexpr):
 
 
 @triton.jit
-def diagonal_block(q, k, gP, rq, rk, Aqk, Akk, bos, r0, c0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                   USE_QK_L2NORM: tl.constexpr):
-    """Store the diagonal block of the sub-block at row r0 (columns c0 .. c0 + BC of its rows in Aqk and Akk): Aqk
-    on and below the diagonal, Akk below it (the scores kernel left zeros everywhere in the block). Each column
-    goes to memory from the row sums' own layout (gathering them into a [BC, BC] tile cost a layout conversion
-    through shared memory per column). l2norm's row factors scale q and k before the products."""
+def diagonal_block(q, k, gP, bos, r0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   BC: tl.constexpr, BK: tl.constexpr):
+    """The diagonal block of the sub-block at row r0, before l2norm: ([BC, BC] Aqk part, [BC, BC] Akk part), float32,
+    zero above the diagonal (and on it for Akk). Rows past T_n hold zeros (their q, k and gate are zero)."""
     o_k = tl.arange(0, BK)
     o_i = tl.arange(0, BC)
-    b_rq, b_rk = load_norms(rq, rk, bos, r0, T_n, i_h, H, BC, USE_QK_L2NORM)                     # [BC] x2
-    b_q = load_rows(q, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rq[:, None]          # [BC, BK]
-    b_k = load_rows(k, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rk[:, None]          # [BC, BK]
+    b_q = load_rows(q, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32)                           # [BC, BK]
+    b_k = load_rows(k, bos, r0, T_n, i_h, H, K, o_k, BC).to(tl.float32)                           # [BC, BK]
     p_k = k + ((bos + r0) * H + i_h) * K + o_k                                                   # [BK] row r0
     p_g = gP + ((bos + r0) * HV + i_hv) * K + o_k
-    p_a = ((bos + r0 + o_i) * HV + i_hv) * BT + c0                                               # [BC] int64
-    m_i = (r0 + o_i) < T_n
     m_k = o_k < K
     b_E = tl.zeros([BC, BK], dtype=tl.float32)                                                   # [BC, BK]
+    b_aq = tl.zeros([BC, BC], dtype=tl.float32)
+    b_ak = tl.zeros([BC, BC], dtype=tl.float32)
     b_gn = tl.zeros([BK], dtype=tl.float32)                   # gP of row j + 1 (unused for the last row)
     for jj in range(BC):
         j = BC - 1 - jj
         m_j = m_k & (r0 + j < T_n)
         b_gj = tl.load(p_g + j * (HV * K), mask=m_j, other=0.0)                                  # [BK]
         b_kj = tl.load(p_k + j * (H * K), mask=m_j, other=0.0).to(tl.float32)                    # [BK]
-        if USE_QK_L2NORM:
-            b_kj = b_kj * tl.load(rk + (bos + r0 + j) * H + i_h, mask=r0 + j < T_n, other=0.0)
         # one step's decay exp(gP_{j+1} - gP_j) <= 1 on rows i > j; row j starts at 1. Rows i < j are set to 0,
         # not multiplied: from a row past T_n (gP 0) into a strong one the step's factor is inf, and 0 * inf NaN
         b_a = fast_exp(b_gn - b_gj)                                                              # [BK]
         b_E = tl.where((o_i > j)[:, None], b_E * b_a[None, :], tl.where((o_i == j)[:, None], 1.0, 0.0))
         b_gn = b_gj
         b_kE = b_E * b_kj[None, :]                                                               # [BC, BK]
-        tl.store(Aqk + p_a + j, cast(tl.sum(b_q * b_kE, 1), Aqk.dtype.element_ty), mask=m_i & (o_i >= j))
-        tl.store(Akk + p_a + j, cast(tl.sum(b_k * b_kE, 1), Akk.dtype.element_ty), mask=m_i & (o_i > j))
+        b_aq = tl.where((o_i == j)[None, :], tl.sum(b_q * b_kE, 1)[:, None], b_aq)
+        b_ak = tl.where((o_i == j)[None, :], tl.sum(b_k * b_kE, 1)[:, None], b_ak)
+    return b_aq, tl.where(o_i[:, None] > o_i[None, :], b_ak, 0.0)
 
 
 @triton.jit
@@ -109,8 +104,13 @@ def chunk_kda_fwd_diag_kernel(
     t0, i_h = i_t * BT, i_hv // (HV // H)
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
     if needs_diagonal_kernel(b_t0, b_t1, b_t2, b_t3, HALVES):
+        o_i = tl.arange(0, BC)
         for i_s in range(BT // BC):
             r0 = t0 + i_s * BC
             if r0 < T_n:
-                diagonal_block(q, k, gP, rq, rk, Aqk, Akk, bos, r0, i_s * BC, T_n, i_h, i_hv, H, HV, K, BT, BC, BK,
-                               USE_QK_L2NORM)
+                b_aq, b_ak = diagonal_block(q, k, gP, bos, r0, T_n, i_h, i_hv, H, HV, K, BC, BK)   # [BC, BC] x2
+                b_rq, b_rk = load_norms(rq, rk, bos, r0, T_n, i_h, H, BC, USE_QK_L2NORM)             # [BC] x2
+                b_aq = b_aq * b_rq[:, None] * b_rk[None, :]
+                b_ak = b_ak * b_rk[:, None] * b_rk[None, :]
+                store_rows(Aqk, b_aq, bos, r0, T_n, i_hv, HV, BT, i_s * BC + o_i, BC)
+                store_rows(Akk, b_ak, bos, r0, T_n, i_hv, HV, BT, i_s * BC + o_i, BC)
