@@ -115,7 +115,7 @@ def level_sum(b_x8, b_x16, NEAR: tl.constexpr, BC: tl.constexpr):
 
 # Pairs inside blocks of NEAR_ROWS rows go elementwise (near_pairs), the ones across those blocks by the product
 # levels 16 and (when 4) 8. 4 or 8; both untimed on the H200 (commit messages say how to time them)
-NEAR_ROWS: tl.constexpr = tl.constexpr(4)
+NEAR_ROWS: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
