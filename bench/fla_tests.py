@@ -34,6 +34,7 @@ FLA_DIR = REPO / ".fla"
 WHEELS = FLA_DIR / "wheels"
 PYTEST_WHEELS = FLA_DIR / "pytest-wheels"    # only for a machine without pytest
 SITE = FLA_DIR / "site"
+FLA_CORE_WHEEL = "fla_core-0.6.0-*.whl"
 sys.path[:0] = [str(REPO), str(REPO / "src")]
 
 from tests.fla_suite.source import (  # noqa: E402
@@ -86,16 +87,16 @@ def ensure_fla() -> str | None:
         wheels, site = sorted(WHEELS.glob("*.whl")), SITE
     else:
         cached = cache_dir() / "wheels"
-        if not any(cached.glob("fla_core-0.6.0-*.whl")):
+        if not any(cached.glob(FLA_CORE_WHEEL)):
             try:
                 download(cached)
             except (subprocess.CalledProcessError, OSError) as e:
                 print(f"fla-core 0.6.0 could not be downloaded ({e})", file=sys.stderr)
         wheels, site = sorted(cached.glob("*.whl")), cache_dir() / "site"
-    if not any(w.name.startswith("fla_core-0.6.0-") for w in wheels):     # one copy: pip refuses a requirement twice
-        wheels += sorted((REPO / ".whl").glob("fla_core-0.6.0-*.whl"))
-    if not any(w.name.startswith("fla_core-0.6.0-") for w in wheels):
-        return None
+    if not any(w.match(FLA_CORE_WHEEL) for w in wheels):     # one copy: pip refuses a requirement twice
+        wheels += sorted((REPO / ".whl").glob(FLA_CORE_WHEEL))
+        if not any(w.match(FLA_CORE_WHEEL) for w in wheels):
+            return None
     if not (site / "fla").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
                         str(site), *map(str, wheels)], check=True)
