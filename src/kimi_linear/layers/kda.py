@@ -9,6 +9,7 @@ from torch import nn
 
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
+from kimi_linear.ops.native.kda import kda_decode
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
@@ -217,6 +218,27 @@ class KimiDeltaAttention(nn.Module):
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         return self._derived("conv", ws, dtype, lambda ws: torch.cat(ws, 0)[:, 0].t())
 
+    def _decode_native(self, qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta_raw: torch.Tensor,
+                       state: KDAState | PooledKDAState) -> torch.Tensor | None:
+        """A decode token's conv, gates, memory update and output norm as one CPU kernel call
+        (:func:`kimi_linear.ops.native.kda.kda_decode`), updating ``state``; o [B, 1, H*d] before ``o_proj``, or
+        None where the kernel does not apply (CUDA, 16-bit, autograd, no C compiler): then the PyTorch ops run."""
+        if qkv.device.type != "cpu":
+            return None
+        pooled = isinstance(state, PooledKDAState)
+        done = kda_decode(
+            qkv, g, gate, beta_raw, self._conv_weight(qkv.dtype),
+            state.conv_pool if pooled else state.conv, state.rec_pool if pooled else state.recurrent,
+            self.A_log.view(-1), self.dt_bias, self.gate_lower_bound, self.o_norm.weight, self.o_norm.eps,
+            self.head_dim**-0.5, rows=state.index if pooled else None,
+        )
+        if done is None:
+            return None
+        o, window, memory = done
+        if not pooled:
+            state.conv, state.recurrent = window, memory
+        return o
+
     def forward(
         self,
         x: torch.Tensor,
@@ -250,9 +272,13 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
+        g, gate, gate_args = self.gates(f_a, g_a)
+        if T == 1 and isinstance(state, (KDAState, PooledKDAState)) and gate_args.get("use_gate_in_kernel"):
+            o = self._decode_native(qkv, g, gate, beta_raw, state)
+            if o is not None:
+                return self.o_proj(o)
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
         q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
-        g, gate, gate_args = self.gates(f_a, g_a)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
         if context_parallel is not None:
             kda = context_parallel.chunk_kda            # chunk_kda's contract; the state comes from rank - 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.native.moe import glu_mlp
 from .activation import GLU, silu_glu
 from .linear import Linear
 from .packing import PackedLinears
@@ -32,6 +33,11 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
         if self._pack is not None:
+            if x.numel() == x.shape[-1] and x.device.type == "cpu" and self.glu is silu_glu and self._pack.valid():
+                # a CPU decode token: one C call (kimi_linear.ops.native.moe.glu_mlp), None where it cannot run
+                out = glu_mlp(x.reshape(1, -1), self._pack.weight, self.down_proj.weight)
+                if out is not None:
+                    return out.view(x.shape)
             gate, up = self._pack(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

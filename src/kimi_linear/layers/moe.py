@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..ops.moe import fused_moe, fused_moe_available, router_logits, sigmoid_topk
+from ..ops.native.moe import moe_decode
 from .activation import GLU, SiTUGLU, silu_glu
 from .linear import Linear, linear
 from .mlp import SwiGLUMLP
@@ -162,6 +163,10 @@ class SparseMoE(nn.Module):
         which the fused op folds into its combine when nothing comes after the experts (one kernel less a layer)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if flat.shape[0] == 1 and flat.device.type == "cpu":
+            out = self._one_token_native(flat, residual)
+            if out is not None:
+                return out.view(shape)
         if self.latent_size is None:
             z = flat
             fused = self._fused_weights(z)
@@ -196,6 +201,22 @@ class SparseMoE(nn.Module):
             out = out + self.shared_experts(flat)
         out = out.view(shape)
         return out if residual is None else residual + out
+
+    def _one_token_native(self, flat: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """A CPU decode token through the whole layer in one C call (:func:`kimi_linear.ops.native.moe.moe_decode`:
+        router, experts, shared expert, residual add) when the experts are packed with the shared expert stacked
+        last (or none), SiLU experts, one expert group, no latent space; else None (the PyTorch paths run)."""
+        if self.latent_size is not None or self.experts[0].glu is not silu_glu or self.gate.n_group != 1:
+            return None
+        packed = self._packed_experts()
+        if packed is None or (self.shared_experts is not None and not packed[2]):
+            return None
+        w13, w2, shared = packed
+        router = self.gate
+        done = moe_decode(flat, router.weight, router.e_score_correction_bias, router.top_k, router.renormalize,
+                          router.routed_scaling_factor, w13, w2, len(self.experts) if shared else None,
+                          None if residual is None else residual.reshape(flat.shape))
+        return None if done is None else done[0]
 
     def _one_token(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Decode: z [1, W] through its k experts, no sort / bincount machinery (pure overhead at this size).

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import for_inference, triton_op
+from .native import norm as native
 from .norm import upcast
 
 
@@ -40,7 +41,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     (x's dtype when they match). Differentiable (through the PyTorch path)."""
     check_rms_norm_inputs(x, weight)
     fast = for_inference(triton_op("rms_norm", x), x, weight)
-    return fast(x, weight, eps) if fast is not None else rms_norm_torch(x, weight, eps)
+    if fast is not None:
+        return fast(x, weight, eps)
+    y = native.rms_norm(x, weight, eps) if x.device.type == "cpu" else None
+    return y if y is not None else rms_norm_torch(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -55,6 +59,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     fast = for_inference(triton_op("add_rms_norm", x), x, weight, delta) if delta.dtype == x.dtype else None
     if fast is not None:
         return fast(x, delta, weight, eps)
+    done = native.add_rms_norm(x, delta, weight, eps) if x.device.type == "cpu" else None
+    if done is not None:
+        return done
     s = x + delta
     return s, rms_norm_torch(s, weight, eps)
 

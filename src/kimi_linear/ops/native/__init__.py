@@ -1,0 +1,119 @@
+"""CPU kernels in C for a decoding token (``decode.c``), compiled on first use and called through ctypes.
+
+Why: on a CPU a decode step of a small model is bound by per-op overhead. Every PyTorch op costs 3-20 us there
+(2-3x more right after a projection streamed a cold weight through the caches), a call through ctypes 1-3 us, and
+the KDA layer's step between its input and output projections is ~65 ops (BENCHMARKS.md, "The model on a CPU").
+The projections themselves stay BLAS products (:func:`kimi_linear.layers.linear.linear`); these kernels replace
+the small ops between them.
+
+The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
+into ``$KIMI_LINEAR_CACHE`` (default ``~/.cache/kimi_linear``), keyed by the source, the compiler, the flags and
+the CPU, written under a temporary name and renamed, so concurrent processes never load a partial file. Without a
+compiler, or when compiling fails (one warning says why), :func:`library` returns None and every caller keeps its
+PyTorch path, which is also the reference the kernels are tested against. ``KIMI_LINEAR_NATIVE=0`` turns the
+kernels off (to compare the two paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c11", "-shared", "-fPIC")
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+SIGNATURES = {
+    "rms_norm_f32": [_P, _I64, _P, _F32, _I64, _I64, _P],
+    "add_rms_norm_f32": [_P, _P, _P, _F32, _I64, _I64, _P, _P],
+    "kda_decode_f32": [_I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P,
+                       _P, _P, _I32, _F32, _P, _F32, _F32, _P],
+    "glu_experts_f32": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I32],
+    "moe_decode_f32": [_P, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
+                       _I64, _P, _P, _P, _P, _P, _I32],
+}
+
+RETURNS_STATUS = {"kda_decode_f32"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("KIMI_LINEAR_NATIVE", "1") != "0"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KIMI_LINEAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kimi_linear")
+    return Path(root) / "native"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's model and feature flags."""
+    ident = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            ident += sorted({ln for ln in f if ln.startswith(("model name", "flags", "Features"))})
+    except OSError:
+        pass
+    return "\n".join(ident)
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Build with OpenMP (the threads of the expert products; the process's OpenMP runtime, loaded by torch, is
+    shared), else without it (a compiler without OpenMP support: those products then run on one core)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        for extra in (("-fopenmp",), ()):
+            done = subprocess.run([compiler, *FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                                  text=True, timeout=300)
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_identity()]).encode()).hexdigest()
+    target = cache_dir() / f"decode-{key[:16]}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        warnings.warn(f"kimi_linear: the CPU decode kernels could not be built ({err}); using PyTorch ops "
+                      "instead (slower decoding on a CPU)", RuntimeWarning, stacklevel=3)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, (_I32 if name in RETURNS_STATUS else None)
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (disabled, no compiler, or the build failed: then the PyTorch path runs)."""
+    if not enabled():
+        return None
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _load()
+    return _state["lib"]  # type: ignore[return-value]

@@ -1,0 +1,262 @@
+/* CPU kernels for one decoding token, float32 (kimi_linear.ops.native; docs/kda.md §7, docs/model.md §1, §3).
+ *
+ * A CPU decode step of a small model is bound by per-op overhead, not arithmetic: every PyTorch op costs
+ * 3-20 us there (more right after a projection has streamed a cold weight through the caches), and a KDA
+ * layer's step between its two projections is ~65 of them. Each function here is one call for such a run of
+ * ops. Shapes and formulas are those of the PyTorch path, which stays the reference.
+ *
+ * Compiled on first use by kimi_linear/ops/native/__init__.py (-O3 -march=native, fast math without the
+ * finite-math assumption: sums may be reassociated and vectorised, infinities from exp(-1000) stay exact).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* torch.nn.functional.softplus with its default threshold: x above 20 is returned as is. */
+static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+static inline float sum_squares(const float *x, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w over n entries (F.rms_norm). x and y may be the same. */
+static inline void rms_norm_row(const float *x, const float *w, float eps, int64_t n, float *y) {
+    const float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* rms_norm over the last dim of rows x [rows, n] (row stride x_stride) into y [rows, n] (contiguous). */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float eps, int64_t rows, int64_t n,
+                  float *y) {
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * x_stride, w, eps, n, y + r * n);
+}
+
+/* The residual add and the next norm: s = x + delta, y = rms_norm(s) (ops.rms_norm.add_rms_norm); all rows
+ * contiguous [rows, n]. s may be x. */
+void add_rms_norm_f32(const float *x, const float *delta, const float *w, float eps, int64_t rows, int64_t n,
+                      float *s, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++) s[r * n + i] = x[r * n + i] + delta[r * n + i];
+        rms_norm_row(s + r * n, w, eps, n, y + r * n);
+    }
+}
+
+/* One KDA decode token for B sequences: the short convolution, the gates, the delta-rule update and the gated
+ * output norm of one layer (layers.kda.KimiDeltaAttention with use_qk_l2norm, beta sigmoid and the gate in
+ * kernel, as the layer always runs the operator). H heads of size D (K = V = D), C = 3*H*D conv channels,
+ * conv width W.
+ *
+ * qkv      [B, C] (row stride qkv_stride)   the projected q|k|v inputs of this token
+ * g_raw    [B, H*D] (g_stride)              the forget gate's up-projection f_b(f_a(x))
+ * gate_raw [B, H*D] (gate_stride)           the output gate's pre-activation
+ * beta_raw [B, H] (beta_stride)             b_proj(x)
+ * conv_w   [W, C]                           tap j multiplies the input W-1-j steps back
+ * win_in / win_out   [., W-1, C]            the last W-1 inputs, oldest first
+ * S_in / S_out       [., H, D, D]           the memory, key index first
+ * rows     [B] or NULL                      the row of sequence b in the four state tensors of n_rows rows
+ *                                           (NULL: row b); in and out may be the same (a serving pool, in place)
+ * A_log [H], dt_bias [H*D]; lower_bound: used when has_lower_bound (K3's bounded gate)
+ * norm_w [D], norm_eps: the gated output norm; scale: the query scale (D^-0.5)
+ * out      [B, H*D]                         RMSNorm(o) * norm_w * sigmoid(gate), per head
+ *
+ * Per head, with q, k l2-normalised (eps 1e-6) and a_i = exp(log_decay_i):
+ *   S <- diag(a) S;  S <- S + beta k (v - S^T k)^T;  o = scale * S^T q
+ * computed in two sweeps over S (decay with S^T k, then the update with S^T q), each along contiguous rows.
+ * Returns 0, or -1 (nothing written) when a row index is outside [0, n_rows).
+ */
+int32_t kda_decode_f32(
+    int64_t B, int64_t H, int64_t D, int64_t W, int64_t n_rows,
+    const float *qkv, int64_t qkv_stride,
+    const float *g_raw, int64_t g_stride,
+    const float *gate_raw, int64_t gate_stride,
+    const float *beta_raw, int64_t beta_stride,
+    const float *conv_w, const float *win_in, float *win_out,
+    const float *S_in, float *S_out, const int64_t *rows,
+    const float *A_log, const float *dt_bias, int32_t has_lower_bound, float lower_bound,
+    const float *norm_w, float norm_eps, float scale,
+    float *out)
+{
+    const int64_t HD = H * D, C = 3 * HD, win_size = (W - 1) * C;
+    float y[C];          /* the conv output q|k|v of one sequence */
+    float kS[D], o[D], a[D], kn[D], qn[D];
+    for (int64_t b = 0; rows && b < B; b++)
+        if (rows[b] < 0 || rows[b] >= n_rows) return -1;     /* before anything is written */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t row = rows ? rows[b] : b;
+        const float *x = qkv + b * qkv_stride;
+        const float *wi = win_in + row * win_size;
+        float *wo = win_out + row * win_size;
+        /* causal depthwise conv over [window; x], then SiLU */
+        for (int64_t c = 0; c < C; c++) {
+            float acc = x[c] * conv_w[(W - 1) * C + c];
+            for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * conv_w[j * C + c];
+            y[c] = acc * sigmoidf(acc);
+        }
+        /* the window moves on by one input (memmove: in and out may be the same row) */
+        memmove(wo, wi + C, (size_t)((W - 2) * C) * sizeof(float));
+        memcpy(wo + (W - 2) * C, x, (size_t)C * sizeof(float));
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = y + h * D, *k = y + HD + h * D, *v = y + 2 * HD + h * D;
+            const float rq = scale / sqrtf(sum_squares(q, D) + 1e-6f);
+            const float rk = 1.0f / sqrtf(sum_squares(k, D) + 1e-6f);
+            for (int64_t i = 0; i < D; i++) { qn[i] = q[i] * rq; kn[i] = k[i] * rk; }
+            const float rate = expf(A_log[h]);
+            const float *gh = g_raw + b * g_stride + h * D, *bias = dt_bias + h * D;
+            for (int64_t i = 0; i < D; i++) {
+                const float gi = gh[i] + bias[i];
+                a[i] = expf(has_lower_bound ? lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
+            }
+            const float beta = sigmoidf(beta_raw[b * beta_stride + h]);
+            const float *Si = S_in + (row * H + h) * D * D;
+            float *So = S_out + (row * H + h) * D * D;
+            /* sweep 1: decay, and S^T k */
+            for (int64_t j = 0; j < D; j++) kS[j] = 0.0f;
+            for (int64_t i = 0; i < D; i++) {
+                const float ai = a[i], ki = kn[i];
+                for (int64_t j = 0; j < D; j++) {
+                    const float s = Si[i * D + j] * ai;
+                    So[i * D + j] = s;
+                    kS[j] += ki * s;
+                }
+            }
+            /* sweep 2: the delta-rule write beta k (v - S^T k)^T, and o = S^T q */
+            for (int64_t j = 0; j < D; j++) { kS[j] = v[j] - kS[j]; o[j] = 0.0f; }
+            for (int64_t i = 0; i < D; i++) {
+                const float bk = beta * kn[i], qi = qn[i];
+                for (int64_t j = 0; j < D; j++) {
+                    const float s = So[i * D + j] + bk * kS[j];
+                    So[i * D + j] = s;
+                    o[j] += qi * s;
+                }
+            }
+            /* gated output norm */
+            const float *gate = gate_raw + b * gate_stride + h * D;
+            float *oh = out + b * HD + h * D;
+            rms_norm_row(o, norm_w, norm_eps, D, oh);
+            for (int64_t j = 0; j < D; j++) oh[j] *= sigmoidf(gate[j]);
+        }
+    }
+    return 0;
+}
+
+/* The sigmoid router of a MoE layer for one token (layers.moe.SigmoidTopKRouter with one expert group):
+ * s = sigmoid(router_w x); the top_k experts of s + bias, weighted by their s (renormalised to sum 1 when
+ * renormalize, + 1e-20), times scaling. x [D], router_w [E, D] row-major, bias [E]; writes experts [top_k] int64
+ * and weights [top_k], best first. */
+void router_topk_f32(const float *x, const float *router_w, const float *bias, int64_t E, int64_t D,
+                     int64_t top_k, int32_t renormalize, float scaling, int64_t *experts, float *weights) {
+    float s[E], choice[E];
+    for (int64_t e = 0; e < E; e++) {
+        const float *w = router_w + e * D;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc += w[i] * x[i];
+        s[e] = sigmoidf(acc);
+        choice[e] = s[e] + bias[e];
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < top_k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (choice[e] != -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
+        choice[best] = -INFINITY;
+        experts[j] = best;
+        weights[j] = s[best];
+        total += s[best];
+    }
+    const float norm = renormalize ? scaling / (total + 1e-20f) : scaling;
+    for (int64_t j = 0; j < top_k; j++) weights[j] *= norm;
+}
+
+/* y[o] for o in [lo, hi) of y = M x, M [n_out, n_in] with element (o, i) at M[o * so + i * si]: dot products
+ * along contiguous rows when si == 1, else (so == 1: stored transposed) a sum of contiguous row segments. */
+static void gemv_range(const float *M, int64_t so, int64_t si, const float *x, int64_t n_in, float *y,
+                       int64_t lo, int64_t hi) {
+    if (si == 1) {
+        for (int64_t o = lo; o < hi; o++) {
+            const float *m = M + o * so;
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n_in; i++) acc += m[i] * x[i];
+            y[o] = acc;
+        }
+    } else {
+        for (int64_t o = lo; o < hi; o++) y[o] = 0.0f;
+        for (int64_t i = 0; i < n_in; i++) {
+            const float *m = M + i * si, xi = x[i];
+            for (int64_t o = lo; o < hi; o++) y[o] += m[o] * xi;
+        }
+    }
+}
+
+/* The GLU experts of one token: out = residual + sum_j weights[j] * W2_e (silu(W1_e x) * W3_e x), e = experts[j]
+ * (layers.moe: routed experts and the shared expert stacked after them; layers.mlp: one dense MLP).
+ * experts and weights NULL: one expert, index 0, weight 1.
+ * x [D]; w13 expert e [2I, D] (W1 rows then W3 rows), element (o, i) at w13[e*s13e + o*s13o + i*s13i];
+ * w2 expert e [D, I] likewise; residual [D] or NULL; out [D]; hidden: scratch [n, I].
+ * Both products are split over the output features between the threads (each streams its share of the weights:
+ * one core alone does not reach the memory bandwidth). */
+void glu_experts_f32(const float *x, int64_t D, int64_t I, int64_t n, const int64_t *experts,
+                     const float *weights, const float *w13, int64_t s13e, int64_t s13o, int64_t s13i,
+                     const float *w2, int64_t s2e, int64_t s2o, int64_t s2i, const float *residual, float *out,
+                     float *hidden, int32_t threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+        const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t tid = 0, nt = 1;
+        (void)threads;
+#endif
+        float gu[2 * I];
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t e = experts ? experts[j] : 0;
+            /* this thread's features f of the expert's gate (row f) and up (row I + f) products */
+            const int64_t lo = I * tid / nt, hi = I * (tid + 1) / nt;
+            const float *M = w13 + e * s13e;
+            gemv_range(M, s13o, s13i, x, D, gu, lo, hi);
+            gemv_range(M + I * s13o, s13o, s13i, x, D, gu + I, lo, hi);
+            for (int64_t f = lo; f < hi; f++) {
+                const float a = gu[f];
+                hidden[j * I + f] = a * sigmoidf(a) * gu[I + f];
+            }
+        }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        const int64_t lo = D * tid / nt, hi = D * (tid + 1) / nt;
+        float y[D];
+        for (int64_t o = lo; o < hi; o++) out[o] = residual ? residual[o] : 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            gemv_range(w2 + (experts ? experts[j] : 0) * s2e, s2o, s2i, hidden + j * I, I, y, lo, hi);
+            const float wj = weights ? weights[j] : 1.0f;
+            for (int64_t o = lo; o < hi; o++) out[o] += wj * y[o];
+        }
+    }
+}
+
+/* A MoE layer for one token: router_topk_f32, then glu_experts_f32 over the chosen experts and, when
+ * shared >= 0, the shared expert stacked at that index with weight 1. Writes the choice into experts
+ * [top_k] and weights [top_k]; hidden: scratch [top_k + 1, I]. */
+void moe_decode_f32(const float *x, int64_t D, int64_t I, const float *router_w, const float *bias, int64_t E,
+                    int64_t top_k, int32_t renormalize, float scaling, int64_t shared, const float *w13,
+                    int64_t s13e, int64_t s13o, int64_t s13i, const float *w2, int64_t s2e, int64_t s2o,
+                    int64_t s2i, const float *residual, float *out, float *hidden, int64_t *experts,
+                    float *weights, int32_t threads) {
+    int64_t chosen[top_k + 1];
+    float w[top_k + 1];
+    router_topk_f32(x, router_w, bias, E, D, top_k, renormalize, scaling, chosen, w);
+    memcpy(experts, chosen, (size_t)top_k * sizeof(int64_t));
+    memcpy(weights, w, (size_t)top_k * sizeof(float));
+    int64_t n = top_k;
+    if (shared >= 0) { chosen[n] = shared; w[n] = 1.0f; n++; }
+    glu_experts_f32(x, D, I, n, chosen, w, w13, s13e, s13o, s13i, w2, s2e, s2o, s2i, residual, out, hidden,
+                    threads);
+}

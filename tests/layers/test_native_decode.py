@@ -1,0 +1,224 @@
+"""The layers' CPU decode tokens through the C kernels (kimi_linear.ops.native) against the same layers in float64
+(their PyTorch path), including strong decay, saturated gates, K3's bounded gate, several sequences, a carried
+state and a serving pool's rows; and that the kernels really ran."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kimi_linear.layers.kda as kda_module
+import kimi_linear.layers.mlp as mlp_module
+import kimi_linear.layers.moe as moe_module
+from kimi_linear.layers import KimiDeltaAttention, SparseMoE, SwiGLUMLP
+from kimi_linear.layers.kda import PooledKDAState
+
+from ..ops.test_native import needs_cc
+from .test_layers import moe_reference, randomize, rel_err
+
+pytestmark = needs_cc
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Counts the calls in which each kernel wrapper ran (returned a result) instead of declining."""
+    counts = {"kda": 0, "moe": 0, "mlp": 0}
+
+    def spy(module, name, key):
+        inner = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            counts[key] += out is not None
+            return out
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(kda_module, "kda_decode", "kda")
+    spy(moe_module, "moe_decode", "moe")
+    spy(mlp_module, "glu_mlp", "mlp")
+    return counts
+
+
+@torch.no_grad()
+def set_gates(m: KimiDeltaAttention, regime: str, gen: torch.Generator) -> None:
+    H, d = m.num_heads, m.head_dim
+    m.A_log.copy_(torch.empty(H).uniform_(1.0, 16.0, generator=gen).log().view_as(m.A_log))
+    if regime == "init":             # the layer's initialisation: softplus^-1 of U(1e-3, 0.1)
+        dt = torch.empty(H * d).uniform_(math.log(1e-3), math.log(0.1), generator=gen).exp()
+        m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    elif regime == "strong":         # per-step log decay ~ -exp(A_log) * 4: the memory is nearly wiped each step
+        m.dt_bias.copy_(4.0 + torch.randn(H * d, generator=gen))
+    elif regime == "saturated":      # raw gates of +-40: softplus past its linear threshold, sigmoid saturated
+        m.f_b_proj.weight.mul_(300.0)
+    elif regime == "slow":           # softplus's curved part above 1 with slow rates: the memory keeps ~70-97%
+        m.A_log.copy_(torch.empty(H).uniform_(0.01, 0.1, generator=gen).log().view_as(m.A_log))
+        m.dt_bias.copy_(torch.empty(H * d).uniform_(1.0, 4.0, generator=gen))
+
+
+def kda_layer(regime: str, lower_bound: float | None = None, full_rank_gate: bool = False) -> KimiDeltaAttention:
+    m = KimiDeltaAttention(48, num_heads=3, head_dim=16, conv_size=4, gate_lower_bound=lower_bound,
+                           full_rank_gate=full_rank_gate)
+    m = randomize(m, seed=1).eval()
+    set_gates(m, regime, torch.Generator().manual_seed(2))
+    m.pack()
+    return m
+
+
+@pytest.mark.parametrize("regime,lower_bound,full_rank", [
+    ("init", None, False), ("strong", None, False), ("saturated", None, False), ("slow", None, False),
+    ("init", -5.0, True),
+    ("saturated", -5.0, False),
+])
+@pytest.mark.parametrize("B,prefix", [(1, 0), (1, 37), (3, 5)])
+def test_kda_decode_tokens_match_float64(ran, regime, lower_bound, full_rank, B, prefix):
+    """A prefill of ``prefix`` tokens (none: decoding starts from the zero state), then 6 decode tokens, float32
+    through the kernel against float64 through the PyTorch ops: outputs, conv windows and memories."""
+    m = kda_layer(regime, lower_bound, full_rank)
+    ref = copy.deepcopy(m).double()
+    x = torch.randn(B, prefix + 6, 48, generator=torch.Generator().manual_seed(3))
+    state, state64 = m.empty_state(B, torch.float32, x.device), ref.empty_state(B, torch.float64, x.device)
+    with torch.no_grad():
+        if prefix:
+            m(x[:, :prefix], state), ref(x[:, :prefix].double(), state64)
+        for t in range(prefix, prefix + 6):
+            before = state.recurrent.clone()
+            held = state.recurrent
+            got, want = m(x[:, t : t + 1], state), ref(x[:, t : t + 1].double(), state64)
+            assert torch.equal(held, before)         # the state given is not modified: a new one replaces it
+            assert rel_err(got, want) < 2e-5, t
+    assert ran["kda"] == 6
+    assert rel_err(state.recurrent, state64.recurrent) < 2e-5
+    assert rel_err(state.conv, state64.conv) < 1e-6
+
+
+def test_kda_decode_in_pool_rows_leaves_other_rows(ran):
+    """A serving pool: rows 4 and 1 updated in place; the others untouched, bit for bit."""
+    m = kda_layer("init")
+    ref = copy.deepcopy(m).double()
+    gen = torch.Generator().manual_seed(4)
+    conv_pool, rec_pool = torch.randn(6, 3, 144, generator=gen), torch.randn(6, 3, 16, 16, generator=gen) * 0.3
+    index = torch.tensor([4, 1])
+    pooled = PooledKDAState(conv_pool.clone(), rec_pool.clone(), index)
+    state64 = kda_module.KDAState(conv_pool[index].double(), rec_pool[index].clone())   # (memories: float32)
+    x = torch.randn(2, 3, 48, generator=gen)
+    with torch.no_grad():
+        for t in range(3):
+            got, want = m(x[:, t : t + 1], pooled), ref(x[:, t : t + 1].double(), state64)
+            assert rel_err(got, want) < 2e-5
+    assert ran["kda"] == 3
+    others = [0, 2, 3, 5]
+    assert torch.equal(pooled.rec_pool[others], rec_pool[others]) and torch.equal(pooled.conv_pool[others],
+                                                                                   conv_pool[others])
+    assert rel_err(pooled.rec_pool[index], state64.recurrent) < 2e-5
+    assert rel_err(pooled.conv_pool[index], state64.conv) < 1e-6
+
+
+def test_kda_decode_declines_where_it_does_not_apply(ran):
+    """16-bit and autograd keep the PyTorch ops (and still decode right)."""
+    m = kda_layer("init")
+    x = torch.randn(1, 1, 48)
+    state = m.empty_state(1, torch.float32, x.device)
+    m(x, state).sum().backward()                                      # gradients wanted
+    b = copy.deepcopy(m).bfloat16()
+    with torch.no_grad():
+        b(x.bfloat16(), b.empty_state(1, torch.bfloat16, x.device))
+    assert ran["kda"] == 0
+
+
+def moe_layer(hidden: int, inter: int, shared: int, renormalize: bool, seed: int) -> SparseMoE:
+    m = randomize(SparseMoE(hidden, inter, num_experts=6, top_k=2, num_shared_experts=shared,
+                            routed_scaling_factor=2.5, renormalize=renormalize), seed)
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.copy_(torch.randn(6, generator=torch.Generator().manual_seed(seed)) * 0.3)
+    return m.eval()
+
+
+def moe_reference_any(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """moe_reference without the assumptions that there is a shared expert and that weights are renormalised."""
+    g = m.gate
+    out = []
+    for t in x.double():
+        s = torch.sigmoid(g.weight.double() @ t)
+        chosen = (s + g.e_score_correction_bias.double()).topk(g.top_k).indices
+        w = s[chosen] / (s[chosen].sum() if g.renormalize else 1.0) * g.routed_scaling_factor
+        y = sum(wi * copy.deepcopy(m.experts[e]).double()(t) for wi, e in zip(w, chosen.tolist()))
+        if m.shared_experts is not None:
+            y = y + copy.deepcopy(m.shared_experts).double()(t)
+        out.append(y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("hidden,inter", [(32, 16), (24, 16), (16, 24)])   # every layout pack() makes on a CPU
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_decode_token_matches_float64(ran, hidden, inter, renormalize):
+    m = moe_layer(hidden, inter, 1, renormalize, seed=9)
+    m.pack()
+    x = torch.randn(7, 1, hidden, generator=torch.Generator().manual_seed(10))
+    residual = torch.randn(7, 1, hidden, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        got = torch.cat([m(x[i]) for i in range(7)])
+        with_residual = torch.cat([m(x[i], residual=residual[i]) for i in range(7)])
+    assert ran["moe"] == 14
+    want = moe_reference_any(m, x[:, 0])
+    assert rel_err(got, want) < 2e-6
+    assert rel_err(with_residual, want + residual[:, 0].double()) < 2e-6
+    if renormalize:
+        assert rel_err(got, moe_reference(copy.deepcopy(m), x[:, 0])) < 2e-6
+
+
+def test_moe_decode_without_shared_expert_and_with_an_unstacked_one(ran):
+    """No shared expert: the kernel runs the routed ones only. Two shared experts (a wider MLP, not stackable):
+    the PyTorch path runs. Not packed: the PyTorch path runs. All three decode right."""
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(12))
+    for shared, pack, runs in ((0, True, 5), (2, True, 0), (1, False, 0)):
+        ran["moe"] = 0
+        m = moe_layer(32, 16, shared, True, seed=13)
+        if pack:
+            m.pack()
+        with torch.no_grad():
+            got = torch.cat([m(x[i : i + 1]) for i in range(5)])
+        assert ran["moe"] == runs, (shared, pack)
+        assert rel_err(got, moe_reference_any(m, x)) < 2e-6, (shared, pack)
+
+
+@pytest.mark.parametrize("hidden,inter", [(16, 24), (32, 8)])
+def test_dense_mlp_token_matches_float64(ran, hidden, inter):
+    m = randomize(SwiGLUMLP(hidden, inter), seed=14)
+    m.pack()
+    x = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        got = m(x)
+    assert ran["mlp"] == 1
+    p = {n: t.double() for n, t in m.named_parameters()}
+    xd = x.double()
+    want = (F.silu(xd @ p["gate_proj.weight"].T) * (xd @ p["up_proj.weight"].T)) @ p["down_proj.weight"].T
+    assert rel_err(got, want) < 2e-6
+
+
+def test_kda_decode_rejects_bad_rows_and_shapes():
+    """Rows outside the pool raise before anything is written; a mis-shaped argument is named."""
+    from kimi_linear.ops.native.kda import kda_decode
+
+    gen = torch.Generator().manual_seed(16)
+    H, D, W = 2, 8, 4
+    C = 3 * H * D
+    args = dict(qkv=torch.randn(2, 1, C, generator=gen), g=torch.randn(2, 1, H, D, generator=gen),
+                gate=torch.randn(2, 1, H, D, generator=gen), beta=torch.randn(2, 1, H, generator=gen),
+                conv_weight=torch.randn(W, C, generator=gen), window=torch.randn(3, W - 1, C, generator=gen),
+                memory=torch.randn(3, H, D, D, generator=gen), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
+                lower_bound=None, norm_weight=torch.ones(D), norm_eps=1e-5, scale=D**-0.5)
+    window, memory = args["window"].clone(), args["memory"].clone()
+    for bad in ([0, 3], [-1, 1]):
+        with pytest.raises(IndexError, match="rows"):
+            kda_decode(**args, rows=torch.tensor(bad))
+        assert torch.equal(args["window"], window) and torch.equal(args["memory"], memory)
+    assert kda_decode(**args, rows=torch.tensor([2, 0])) is not None
+    with pytest.raises(ValueError, match="`beta` must be"):
+        kda_decode(**{**args, "beta": torch.randn(2, 1, H + 1)}, rows=torch.tensor([2, 0]))
+    with pytest.raises(ValueError, match="one row per sequence"):
+        kda_decode(**args)
