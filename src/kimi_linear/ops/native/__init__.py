@@ -92,9 +92,9 @@ def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_identity()]).encode()).hexdigest()
-    target = cache_dir() / f"decode-{key[:16]}.so"
     try:
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_identity()]).encode())
+        target = cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
         if not target.exists():
             _compile(compiler, target)
         lib = ctypes.CDLL(str(target))
