@@ -115,6 +115,7 @@ def test_kda_layer_with_triton_conv_and_norm(kda, monkeypatch):
     from kimi_linear.ops.triton.norm import gated_rms_norm as tri_norm
 
     pytest.importorskip("triton")
+    monkeypatch.setenv("KIMI_LINEAR_NATIVE", "0")      # decode tokens through the conv op, not the C kernel
     x = torch.randn(2, 40, 48, generator=torch.Generator().manual_seed(6))
     packed = torch.randn(1, 40, 48, generator=torch.Generator().manual_seed(7))
     cu = torch.tensor([0, 3, 25, 40])
@@ -147,6 +148,7 @@ def test_kda_pooled_decode_with_triton_conv_decode(kda, monkeypatch):
     from kimi_linear.ops.triton.conv import short_conv_decode as tri_decode
 
     pytest.importorskip("triton")
+    monkeypatch.setenv("KIMI_LINEAR_NATIVE", "0")      # decode tokens through the conv op, not the C kernel
     x = torch.randn(3, 12, 48, generator=torch.Generator().manual_seed(8))
     index = torch.tensor([4, 1, 0, 5, 5])                   # rows 0-2 live, rows 3-4 padding on scratch slot 5
     xs = torch.cat([x, torch.randn(2, 12, 48)], 0)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
+from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
 from kimi_linear.ops.native.kda import kda_decode
 
@@ -223,7 +224,7 @@ class KimiDeltaAttention(nn.Module):
         """A decode token's conv, gates, memory update and output norm as one CPU kernel call
         (:func:`kimi_linear.ops.native.kda.kda_decode`), updating ``state``; o [B, 1, H*d] before ``o_proj``, or
         None where the kernel does not apply (CUDA, 16-bit, autograd, no C compiler): then the PyTorch ops run."""
-        if qkv.device.type != "cpu":
+        if qkv.device.type != "cpu" or triton_op("short_conv", qkv) is not None:   # (CPU under the interpreter)
             return None
         pooled = isinstance(state, PooledKDAState)
         done = kda_decode(

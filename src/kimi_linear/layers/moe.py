@@ -163,13 +163,13 @@ class SparseMoE(nn.Module):
         which the fused op folds into its combine when nothing comes after the experts (one kernel less a layer)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if flat.shape[0] == 1 and flat.device.type == "cpu":
-            out = self._one_token_native(flat, residual)
-            if out is not None:
-                return out.view(shape)
         if self.latent_size is None:
             z = flat
             fused = self._fused_weights(z)
+            if fused is None and flat.shape[0] == 1 and not self.static_dispatch and flat.device.type == "cpu":
+                out = self._one_token_native(flat, residual)
+                if out is not None:
+                    return out.view(shape)
             # The shared expert's gate/up weights (the fused op reads them whatever the routing) go to L2 while
             # the router runs.
             weights, idx = self.gate(flat, prefetch=fused[0][-1] if fused is not None and fused[2] else None)

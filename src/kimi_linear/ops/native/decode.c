@@ -48,6 +48,76 @@ void add_rms_norm_f32(const float *x, const float *delta, const float *w, float 
     }
 }
 
+/* kda_decode_f32's work for sequence b, in state row `row` (its arguments, below). */
+static void kda_decode_row(
+    int64_t b, int64_t row, int64_t H, int64_t D, int64_t W,
+    const float *qkv, int64_t qkv_stride,
+    const float *g_raw, int64_t g_stride,
+    const float *gate_raw, int64_t gate_stride,
+    const float *beta_raw, int64_t beta_stride,
+    const float *conv_w, const float *win_in, float *win_out,
+    const float *S_in, float *S_out,
+    const float *A_log, const float *dt_bias, int32_t has_lower_bound, float lower_bound,
+    const float *norm_w, float norm_eps, float scale,
+    float *out)
+{
+    const int64_t HD = H * D, C = 3 * HD, win_size = (W - 1) * C;
+    float y[C];          /* the conv output q|k|v of the sequence */
+    float kS[D], o[D], a[D], kn[D], qn[D];
+    const float *x = qkv + b * qkv_stride;
+    const float *wi = win_in + row * win_size;
+    float *wo = win_out + row * win_size;
+    /* causal depthwise conv over [window; x], then SiLU */
+    for (int64_t c = 0; c < C; c++) {
+        float acc = x[c] * conv_w[(W - 1) * C + c];
+        for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * conv_w[j * C + c];
+        y[c] = acc * sigmoidf(acc);
+    }
+    /* the window moves on by one input (memmove: in and out may be the same row) */
+    memmove(wo, wi + C, (size_t)((W - 2) * C) * sizeof(float));
+    memcpy(wo + (W - 2) * C, x, (size_t)C * sizeof(float));
+    for (int64_t h = 0; h < H; h++) {
+        const float *q = y + h * D, *k = y + HD + h * D, *v = y + 2 * HD + h * D;
+        const float rq = scale / sqrtf(sum_squares(q, D) + 1e-6f);
+        const float rk = 1.0f / sqrtf(sum_squares(k, D) + 1e-6f);
+        for (int64_t i = 0; i < D; i++) { qn[i] = q[i] * rq; kn[i] = k[i] * rk; }
+        const float rate = expf(A_log[h]);
+        const float *gh = g_raw + b * g_stride + h * D, *bias = dt_bias + h * D;
+        for (int64_t i = 0; i < D; i++) {
+            const float gi = gh[i] + bias[i];
+            a[i] = expf(has_lower_bound ? lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
+        }
+        const float beta = sigmoidf(beta_raw[b * beta_stride + h]);
+        const float *Si = S_in + (row * H + h) * D * D;
+        float *So = S_out + (row * H + h) * D * D;
+        /* sweep 1: decay, and S^T k */
+        for (int64_t j = 0; j < D; j++) kS[j] = 0.0f;
+        for (int64_t i = 0; i < D; i++) {
+            const float ai = a[i], ki = kn[i];
+            for (int64_t j = 0; j < D; j++) {
+                const float s = Si[i * D + j] * ai;
+                So[i * D + j] = s;
+                kS[j] += ki * s;
+            }
+        }
+        /* sweep 2: the delta-rule write beta k (v - S^T k)^T, and o = S^T q */
+        for (int64_t j = 0; j < D; j++) { kS[j] = v[j] - kS[j]; o[j] = 0.0f; }
+        for (int64_t i = 0; i < D; i++) {
+            const float bk = beta * kn[i], qi = qn[i];
+            for (int64_t j = 0; j < D; j++) {
+                const float s = So[i * D + j] + bk * kS[j];
+                So[i * D + j] = s;
+                o[j] += qi * s;
+            }
+        }
+        /* gated output norm */
+        const float *gate = gate_raw + b * gate_stride + h * D;
+        float *oh = out + b * HD + h * D;
+        rms_norm_row(o, norm_w, norm_eps, D, oh);
+        for (int64_t j = 0; j < D; j++) oh[j] *= sigmoidf(gate[j]);
+    }
+}
+
 /* One KDA decode token for B sequences: the short convolution, the gates, the delta-rule update and the gated
  * output norm of one layer (layers.kda.KimiDeltaAttention with use_qk_l2norm, beta sigmoid and the gate in
  * kernel, as the layer always runs the operator). H heads of size D (K = V = D), C = 3*H*D conv channels,
@@ -69,7 +139,9 @@ void add_rms_norm_f32(const float *x, const float *delta, const float *w, float 
  * Per head, with q, k l2-normalised (eps 1e-6) and a_i = exp(log_decay_i):
  *   S <- diag(a) S;  S <- S + beta k (v - S^T k)^T;  o = scale * S^T q
  * computed in two sweeps over S (decay with S^T k, then the update with S^T q), each along contiguous rows.
- * Returns 0, or -1 (nothing written) when a row index is outside [0, n_rows).
+ * Sequences are split between `threads` threads (distinct rows: a serving pool's scratch row shared by padding
+ * rows is written by several, and never read). Returns 0, or -1 (nothing written) when a row index is outside
+ * [0, n_rows).
  */
 int32_t kda_decode_f32(
     int64_t B, int64_t H, int64_t D, int64_t W, int64_t n_rows,
@@ -81,68 +153,18 @@ int32_t kda_decode_f32(
     const float *S_in, float *S_out, const int64_t *rows,
     const float *A_log, const float *dt_bias, int32_t has_lower_bound, float lower_bound,
     const float *norm_w, float norm_eps, float scale,
-    float *out)
+    float *out, int32_t threads)
 {
-    const int64_t HD = H * D, C = 3 * HD, win_size = (W - 1) * C;
-    float y[C];          /* the conv output q|k|v of one sequence */
-    float kS[D], o[D], a[D], kn[D], qn[D];
     for (int64_t b = 0; rows && b < B; b++)
         if (rows[b] < 0 || rows[b] >= n_rows) return -1;     /* before anything is written */
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t row = rows ? rows[b] : b;
-        const float *x = qkv + b * qkv_stride;
-        const float *wi = win_in + row * win_size;
-        float *wo = win_out + row * win_size;
-        /* causal depthwise conv over [window; x], then SiLU */
-        for (int64_t c = 0; c < C; c++) {
-            float acc = x[c] * conv_w[(W - 1) * C + c];
-            for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * conv_w[j * C + c];
-            y[c] = acc * sigmoidf(acc);
-        }
-        /* the window moves on by one input (memmove: in and out may be the same row) */
-        memmove(wo, wi + C, (size_t)((W - 2) * C) * sizeof(float));
-        memcpy(wo + (W - 2) * C, x, (size_t)C * sizeof(float));
-        for (int64_t h = 0; h < H; h++) {
-            const float *q = y + h * D, *k = y + HD + h * D, *v = y + 2 * HD + h * D;
-            const float rq = scale / sqrtf(sum_squares(q, D) + 1e-6f);
-            const float rk = 1.0f / sqrtf(sum_squares(k, D) + 1e-6f);
-            for (int64_t i = 0; i < D; i++) { qn[i] = q[i] * rq; kn[i] = k[i] * rk; }
-            const float rate = expf(A_log[h]);
-            const float *gh = g_raw + b * g_stride + h * D, *bias = dt_bias + h * D;
-            for (int64_t i = 0; i < D; i++) {
-                const float gi = gh[i] + bias[i];
-                a[i] = expf(has_lower_bound ? lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
-            }
-            const float beta = sigmoidf(beta_raw[b * beta_stride + h]);
-            const float *Si = S_in + (row * H + h) * D * D;
-            float *So = S_out + (row * H + h) * D * D;
-            /* sweep 1: decay, and S^T k */
-            for (int64_t j = 0; j < D; j++) kS[j] = 0.0f;
-            for (int64_t i = 0; i < D; i++) {
-                const float ai = a[i], ki = kn[i];
-                for (int64_t j = 0; j < D; j++) {
-                    const float s = Si[i * D + j] * ai;
-                    So[i * D + j] = s;
-                    kS[j] += ki * s;
-                }
-            }
-            /* sweep 2: the delta-rule write beta k (v - S^T k)^T, and o = S^T q */
-            for (int64_t j = 0; j < D; j++) { kS[j] = v[j] - kS[j]; o[j] = 0.0f; }
-            for (int64_t i = 0; i < D; i++) {
-                const float bk = beta * kn[i], qi = qn[i];
-                for (int64_t j = 0; j < D; j++) {
-                    const float s = So[i * D + j] + bk * kS[j];
-                    So[i * D + j] = s;
-                    o[j] += qi * s;
-                }
-            }
-            /* gated output norm */
-            const float *gate = gate_raw + b * gate_stride + h * D;
-            float *oh = out + b * HD + h * D;
-            rms_norm_row(o, norm_w, norm_eps, D, oh);
-            for (int64_t j = 0; j < D; j++) oh[j] *= sigmoidf(gate[j]);
-        }
-    }
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (B > 1)
+#endif
+    for (int64_t b = 0; b < B; b++)
+        kda_decode_row(b, rows ? rows[b] : b, H, D, W, qkv, qkv_stride, g_raw, g_stride, gate_raw, gate_stride,
+                       beta_raw, beta_stride, conv_w, win_in, win_out, S_in, S_out, A_log, dt_bias,
+                       has_lower_bound, lower_bound, norm_w, norm_eps, scale, out);
     return 0;
 }
 

@@ -69,6 +69,7 @@ def kda_decode(
         conv_weight.data_ptr(), window.data_ptr(), new_window.data_ptr(), memory.data_ptr(), new_memory.data_ptr(),
         rows_ptr, A_log.data_ptr(), dt_bias.data_ptr(), lower_bound is not None,
         0.0 if lower_bound is None else lower_bound, norm_weight.data_ptr(), norm_eps, scale, out.data_ptr(),
+        torch.get_num_threads(),
     )
     if status != 0:
         raise IndexError(f"kda_decode: `rows` must name rows of the {S}-row state pools, got {rows.tolist()}")
