@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,3 +105,19 @@ def test_norm_kernels_leave_large_16_bit_and_autograd_inputs_to_pytorch():
     assert native_norm.rms_norm(torch.randn(2, 64, dtype=torch.bfloat16), w.bfloat16(), 1e-6) is None
     assert native_norm.rms_norm(torch.randn(2, 64, requires_grad=True), w, 1e-6) is None
     assert native_norm.rms_norm(torch.randn(64, 2).t(), torch.rand(2), 1e-6) is None     # not contiguous
+
+
+@needs_cc
+def test_loading_keeps_subnormal_numbers(fresh):
+    """-ffast-math would link crtfastmath, which turns on flush-to-zero in the process as the library loads
+    (hypothesis then refuses to run, and every PyTorch op loses its subnormals). A new process, built afresh."""
+    code = (
+        "import sys, torch\n"
+        "import kimi_linear.ops.native as n\n"
+        "assert n.library() is not None\n"
+        "tiny = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "print(float(tiny * 1.5) > 0, 5e-324 * 1.0 > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]

@@ -6,7 +6,8 @@ the KDA layer's step between its input and output projections is ~65 ops (BENCHM
 The projections themselves stay BLAS products (:func:`kimi_linear.layers.linear.linear`); these kernels replace
 the small ops between them.
 
-The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
+The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``,
+reassociated sums, no ``-ffast-math``)
 into ``$KIMI_LINEAR_CACHE`` (default ``~/.cache/kimi_linear``), keyed by the source, the compiler, the flags and
 the CPU, written under a temporary name and renamed, so concurrent processes never load a partial file. Without a
 compiler, or when compiling fails (one warning says why), :func:`library` returns None and every caller keeps its
@@ -28,7 +29,11 @@ import warnings
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c11", "-shared", "-fPIC")
+# Reassociation (vectorised sums) without -ffast-math: that flag (and -funsafe-math-optimizations) also links
+# crtfastmath, whose constructor turns on flush-to-zero for the whole process when the library loads, and every
+# PyTorch op after it would lose its subnormal numbers.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+         "-std=c11", "-shared", "-fPIC")
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 SIGNATURES = {

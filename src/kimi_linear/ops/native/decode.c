@@ -5,8 +5,9 @@
  * layer's step between its two projections is ~65 of them. Each function here is one call for such a run of
  * ops. Shapes and formulas are those of the PyTorch path, which stays the reference.
  *
- * Compiled on first use by kimi_linear/ops/native/__init__.py (-O3 -march=native, fast math without the
- * finite-math assumption: sums may be reassociated and vectorised, infinities from exp(-1000) stay exact).
+ * Compiled on first use by kimi_linear/ops/native/__init__.py (-O3 -march=native; sums may be reassociated and
+ * vectorised; IEEE infinities and subnormals as usual: no -ffast-math, which would flush subnormals to zero in
+ * the whole process).
  */
 #include <math.h>
 #include <stdint.h>
