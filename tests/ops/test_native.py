@@ -121,3 +121,19 @@ def test_loading_keeps_subnormal_numbers(fresh):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]
+
+
+@needs_cc
+def test_an_unwritable_cache_falls_back_to_a_temporary_folder(fresh, monkeypatch, tmp_path):
+    """A cache path that cannot be made (its parent is a file; root ignores permissions): the library is built in
+    the per-user temporary folder instead, without a warning."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KIMI_LINEAR_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lib = native.library()
+    assert lib is not None
+    assert list((tmp_path / "tmp").glob("kimi_linear-*/native/decode-*.so"))

@@ -8,8 +8,9 @@ the small ops between them.
 
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``,
 reassociated sums, no ``-ffast-math``)
-into ``$KIMI_LINEAR_CACHE`` (default ``~/.cache/kimi_linear``), keyed by the source, the compiler, the flags and
-the CPU, written under a temporary name and renamed, so concurrent processes never load a partial file. Without a
+into ``$KIMI_LINEAR_CACHE`` (default ``~/.cache/kimi_linear``; a per-user temporary folder when that cannot be
+written), keyed by the source, the compiler, the flags and the CPU, written under a temporary name and renamed, so
+concurrent processes never load a partial file. Without a
 compiler, or when compiling fails (one warning says why), :func:`library` returns None and every caller keeps its
 PyTorch path, which is also the reference the kernels are tested against. ``KIMI_LINEAR_NATIVE=0`` turns the
 kernels off (to compare the two paths).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -93,18 +95,33 @@ def _compile(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _folders() -> list[Path]:
+    """Where the library may be built: the cache, else (a read-only home, say) a per-user temporary folder."""
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return [cache_dir(), Path(tempfile.gettempdir()) / f"kimi_linear-{user}" / "native"]
+
+
 def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         return None
+    lib, error = None, None
     try:
         key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_identity()]).encode())
-        target = cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
-        if not target.exists():
-            _compile(compiler, target)
-        lib = ctypes.CDLL(str(target))
+        for folder in _folders():
+            target = folder / f"decode-{key.hexdigest()[:16]}.so"
+            try:
+                if not target.exists():
+                    logging.getLogger(__name__).info("compiling the CPU decode kernels into %s", target)
+                    _compile(compiler, target)
+                lib = ctypes.CDLL(str(target))
+                break
+            except OSError as err:          # an unusable folder, or a file that does not load: the next folder
+                error = err
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        warnings.warn(f"kimi_linear: the CPU decode kernels could not be built ({err}); using PyTorch ops "
+        error = err
+    if lib is None:
+        warnings.warn(f"kimi_linear: the CPU decode kernels could not be built ({error}); using PyTorch ops "
                       "instead (slower decoding on a CPU)", RuntimeWarning, stacklevel=3)
         return None
     for name, argtypes in SIGNATURES.items():
