@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,16 +236,18 @@ def test_mla_packed_projections_equal_separate_and_train(q_lora_rank, output_gat
 
 
 def moe_reference(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Token by token, docs/model.md §5: choose with the bias, weight without it, renormalise, scale."""
+    """Token by token, docs/model.md §5: choose with the bias, weight without it, renormalise (when the router
+    does), scale; plus the shared experts (when there are). Float64 copies of the experts."""
     g = m.gate
     out = []
     for t in x.double():
         s = torch.sigmoid(g.weight.double() @ t)
         chosen = (s + g.e_score_correction_bias.double()).topk(g.top_k).indices
-        w = s[chosen] / s[chosen].sum() * g.routed_scaling_factor
-        y = sum(wi * m.experts[e].double()(t) for wi, e in zip(w, chosen.tolist()))
-        out.append(y + m.shared_experts.double()(t))
-        m.float()
+        w = s[chosen] / (s[chosen].sum() if g.renormalize else 1.0) * g.routed_scaling_factor
+        y = sum(wi * copy.deepcopy(m.experts[e]).double()(t) for wi, e in zip(w, chosen.tolist()))
+        if m.shared_experts is not None:
+            y = y + copy.deepcopy(m.shared_experts).double()(t)
+        out.append(y)
     return torch.stack(out)
 
 

@@ -49,48 +49,50 @@ void add_rms_norm_f32(const float *x, const float *delta, const float *w, float 
     }
 }
 
-/* kda_decode_f32's work for sequence b, in state row `row` (its arguments, below). */
-static void kda_decode_row(
-    int64_t b, int64_t row, int64_t H, int64_t D, int64_t W,
-    const float *qkv, int64_t qkv_stride,
-    const float *g_raw, int64_t g_stride,
-    const float *gate_raw, int64_t gate_stride,
-    const float *beta_raw, int64_t beta_stride,
-    const float *conv_w, const float *win_in, float *win_out,
-    const float *S_in, float *S_out,
-    const float *A_log, const float *dt_bias, int32_t has_lower_bound, float lower_bound,
-    const float *norm_w, float norm_eps, float scale,
-    float *out)
+/* kda_decode_f32's arguments (below), the same for every sequence. */
+typedef struct {
+    int64_t H, D, W;
+    const float *qkv, *g_raw, *gate_raw, *beta_raw;
+    int64_t qkv_stride, g_stride, gate_stride, beta_stride;
+    const float *conv_w, *win_in, *S_in, *A_log, *dt_bias, *norm_w;
+    float *win_out, *S_out, *out;
+    int32_t has_lower_bound;
+    float lower_bound, norm_eps, scale;
+} KDAStep;
+
+/* kda_decode_f32's work for sequence b, in state row `row`. */
+static void kda_decode_row(const KDAStep *p, int64_t b, int64_t row)
 {
+    const int64_t H = p->H, D = p->D, W = p->W;
     const int64_t HD = H * D, C = 3 * HD, win_size = (W - 1) * C;
     float y[C];          /* the conv output q|k|v of the sequence */
     float kS[D], o[D], a[D], kn[D], qn[D];
-    const float *x = qkv + b * qkv_stride;
-    const float *wi = win_in + row * win_size;
-    float *wo = win_out + row * win_size;
+    const float *x = p->qkv + b * p->qkv_stride;
+    const float *wi = p->win_in + row * win_size;
+    float *wo = p->win_out + row * win_size;
     /* causal depthwise conv over [window; x], then SiLU */
     for (int64_t c = 0; c < C; c++) {
-        float acc = x[c] * conv_w[(W - 1) * C + c];
-        for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * conv_w[j * C + c];
+        float acc = x[c] * p->conv_w[(W - 1) * C + c];
+        for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * p->conv_w[j * C + c];
         y[c] = acc * sigmoidf(acc);
     }
-    /* the window moves on by one input (memmove: in and out may be the same row) */
+    /* the window moves on by one input (memmove: in and p->out may be the same row) */
     memmove(wo, wi + C, (size_t)((W - 2) * C) * sizeof(float));
     memcpy(wo + (W - 2) * C, x, (size_t)C * sizeof(float));
     for (int64_t h = 0; h < H; h++) {
         const float *q = y + h * D, *k = y + HD + h * D, *v = y + 2 * HD + h * D;
-        const float rq = scale / sqrtf(sum_squares(q, D) + 1e-6f);
+        const float rq = p->scale / sqrtf(sum_squares(q, D) + 1e-6f);
         const float rk = 1.0f / sqrtf(sum_squares(k, D) + 1e-6f);
         for (int64_t i = 0; i < D; i++) { qn[i] = q[i] * rq; kn[i] = k[i] * rk; }
-        const float rate = expf(A_log[h]);
-        const float *gh = g_raw + b * g_stride + h * D, *bias = dt_bias + h * D;
+        const float rate = expf(p->A_log[h]);
+        const float *gh = p->g_raw + b * p->g_stride + h * D, *bias = p->dt_bias + h * D;
         for (int64_t i = 0; i < D; i++) {
             const float gi = gh[i] + bias[i];
-            a[i] = expf(has_lower_bound ? lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
+            a[i] = expf(p->has_lower_bound ? p->lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
         }
-        const float beta = sigmoidf(beta_raw[b * beta_stride + h]);
-        const float *Si = S_in + (row * H + h) * D * D;
-        float *So = S_out + (row * H + h) * D * D;
+        const float beta = sigmoidf(p->beta_raw[b * p->beta_stride + h]);
+        const float *Si = p->S_in + (row * H + h) * D * D;
+        float *So = p->S_out + (row * H + h) * D * D;
         /* sweep 1: decay, and S^T k */
         for (int64_t j = 0; j < D; j++) kS[j] = 0.0f;
         for (int64_t i = 0; i < D; i++) {
@@ -112,9 +114,9 @@ static void kda_decode_row(
             }
         }
         /* gated output norm */
-        const float *gate = gate_raw + b * gate_stride + h * D;
-        float *oh = out + b * HD + h * D;
-        rms_norm_row(o, norm_w, norm_eps, D, oh);
+        const float *gate = p->gate_raw + b * p->gate_stride + h * D;
+        float *oh = p->out + b * HD + h * D;
+        rms_norm_row(o, p->norm_w, p->norm_eps, D, oh);
         for (int64_t j = 0; j < D; j++) oh[j] *= sigmoidf(gate[j]);
     }
 }
@@ -158,14 +160,14 @@ int32_t kda_decode_f32(
 {
     for (int64_t b = 0; rows && b < B; b++)
         if (rows[b] < 0 || rows[b] >= n_rows) return -1;     /* before anything is written */
+    const KDAStep p = {H, D, W, qkv, g_raw, gate_raw, beta_raw, qkv_stride, g_stride, gate_stride, beta_stride,
+                       conv_w, win_in, S_in, A_log, dt_bias, norm_w, win_out, S_out, out, has_lower_bound,
+                       lower_bound, norm_eps, scale};
     (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static) if (B > 1)
 #endif
-    for (int64_t b = 0; b < B; b++)
-        kda_decode_row(b, rows ? rows[b] : b, H, D, W, qkv, qkv_stride, g_raw, g_stride, gate_raw, gate_stride,
-                       beta_raw, beta_stride, conv_w, win_in, win_out, S_in, S_out, A_log, dt_bias,
-                       has_lower_bound, lower_bound, norm_w, norm_eps, scale, out);
+    for (int64_t b = 0; b < B; b++) kda_decode_row(&p, b, rows ? rows[b] : b);
     return 0;
 }
 
