@@ -140,18 +140,21 @@ def moe_layer(hidden: int, inter: int, shared: int, renormalize: bool, seed: int
 
 @pytest.mark.parametrize("hidden,inter", [(32, 16), (24, 16), (16, 24)])   # every layout pack() makes on a CPU
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_decode_token_matches_float64(ran, hidden, inter, renormalize):
+def test_moe_decode_rows_match_float64(ran, hidden, inter, renormalize):
+    """One token at a time and all 7 in one call (a decode batch: the kernel groups the 14 choices by expert, so
+    experts run over several rows), with and without the residual."""
     m = moe_layer(hidden, inter, 1, renormalize, seed=9)
     m.pack()
     x = torch.randn(7, 1, hidden, generator=torch.Generator().manual_seed(10))
     residual = torch.randn(7, 1, hidden, generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
-        got = torch.cat([m(x[i]) for i in range(7)])
-        with_residual = torch.cat([m(x[i], residual=residual[i]) for i in range(7)])
-    assert ran["moe"] == 14
+        single = torch.cat([m(x[i]) for i in range(7)])
+        batch = m(x)
+        with_residual = m(x, residual=residual)
+    assert ran["moe"] == 9
     want = moe_reference(m, x[:, 0])
-    assert rel_err(got, want) < 2e-6
-    assert rel_err(with_residual, want + residual[:, 0].double()) < 2e-6
+    assert rel_err(single, want) < 2e-6 and rel_err(batch[:, 0], want) < 2e-6
+    assert rel_err(with_residual[:, 0], want + residual[:, 0].double()) < 2e-6
 
 
 def test_moe_decode_without_shared_expert_and_with_an_unstacked_one(ran):
@@ -170,10 +173,11 @@ def test_moe_decode_without_shared_expert_and_with_an_unstacked_one(ran):
 
 
 @pytest.mark.parametrize("hidden,inter", [(16, 24), (32, 8)])
-def test_dense_mlp_token_matches_float64(ran, hidden, inter):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dense_mlp_rows_match_float64(ran, hidden, inter, rows):
     m = randomize(SwiGLUMLP(hidden, inter), seed=14)
     m.pack()
-    x = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(15))
+    x = torch.randn(rows, 1, hidden, generator=torch.Generator().manual_seed(15))
     with torch.no_grad():
         got = m(x)
     assert ran["mlp"] == 1
@@ -181,6 +185,25 @@ def test_dense_mlp_token_matches_float64(ran, hidden, inter):
     xd = x.double()
     want = (F.silu(xd @ p["gate_proj.weight"].T) * (xd @ p["up_proj.weight"].T)) @ p["down_proj.weight"].T
     assert rel_err(got, want) < 2e-6
+
+
+def test_large_row_counts_keep_the_pytorch_paths(ran, monkeypatch):
+    """More rows than MAX_ROWS (a prompt), or than MAX_WORK allows for the experts' size, go through the
+    per-expert products, and give the same result."""
+    import kimi_linear.ops.native.moe as native_moe
+
+    m = moe_layer(16, 8, 1, True, seed=17)
+    m.pack()
+    N = native_moe.MAX_ROWS
+    x = torch.randn(N + 1, 16, generator=torch.Generator().manual_seed(18))
+    with torch.no_grad():
+        got = m(x)
+        part = m(x[:N])
+        assert ran["moe"] == 1
+        monkeypatch.setattr(native_moe, "MAX_WORK", 4 * 8 * 16)
+        assert rel_err(m(x[:5]), got[:5]) < 2e-6 and ran["moe"] == 1
+        assert rel_err(m(x[:4]), got[:4]) < 2e-6 and ran["moe"] == 2
+    assert rel_err(got, moe_reference(m, x)) < 2e-6 and rel_err(part, got[:N]) < 2e-6
 
 
 def test_kda_decode_rejects_bad_rows_and_shapes():

@@ -349,13 +349,15 @@ class NoPEMLA(nn.Module):
         """One query per row against the latent cache. q: [B, H, 1, qk]; entry: [B, L, 576]. Returns [B, H, 1, v]."""
         w_k, w_v = self._head_weights()
         # the PyTorch products on every device: this path is the reference the paged (Triton) step is checked against
-        q_lat = absorb_query_torch(q[:, :, 0], w_k)[:, :, None]                    # [B, H, 1, C + rope]
-        scores = upcast(q_lat @ entry[:, None].transpose(-1, -2)) * self.scale    # [B, H, 1, L]
+        q_lat = absorb_query_torch(q[:, :, 0], w_k)                                 # [B, H, C + rope]
+        # Every head reads the same entries: the heads are the rows of one product per sequence (a broadcast over
+        # a head axis would copy the entries once per head first).
+        scores = upcast(torch.bmm(q_lat, entry.transpose(1, 2))) * self.scale      # [B, H, L]
         if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
+            scores = scores.masked_fill(~attn_mask[:, :, 0], float("-inf"))        # mask [B, 1, 1, L]
         p = scores.softmax(-1).to(entry.dtype)
-        ctx = p @ entry[:, None, :, : self.kv_lora_rank]                            # [B, H, 1, C]
-        return expand_values_torch(ctx[:, :, 0], w_v)[:, :, None]
+        ctx = torch.bmm(p, entry[:, :, : self.kv_lora_rank])                        # [B, H, C]
+        return expand_values_torch(ctx, w_v)[:, :, None]
 
     def _paged(self, q: torch.Tensor, view: PagedLatentView) -> torch.Tensor:
         """The absorbed step over a paged pool (the new entries already written). q: [B, H, 1, qk]. Returns

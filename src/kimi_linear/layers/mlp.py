@@ -33,9 +33,9 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
         if self._pack is not None:
-            if x.numel() == x.shape[-1] and x.device.type == "cpu" and self.glu is silu_glu and self._pack.valid():
-                # a CPU decode token: one C call (kimi_linear.ops.native.moe.glu_mlp), None where it cannot run
-                out = glu_mlp(x.reshape(1, -1), self._pack.weight, self.down_proj.weight)
+            if x.device.type == "cpu" and self.glu is silu_glu and self._pack.valid():
+                # a CPU decode step's rows: one C call (kimi_linear.ops.native.moe.glu_mlp), None where it cannot run
+                out = glu_mlp(x.reshape(-1, x.shape[-1]), self._pack.weight, self.down_proj.weight)
                 if out is not None:
                     return out.view(x.shape)
             gate, up = self._pack(x)

@@ -166,8 +166,8 @@ class SparseMoE(nn.Module):
         if self.latent_size is None:
             z = flat
             fused = self._fused_weights(z)
-            if fused is None and flat.shape[0] == 1 and not self.static_dispatch and flat.device.type == "cpu":
-                out = self._one_token_native(flat, residual)
+            if fused is None and not self.static_dispatch and flat.device.type == "cpu":
+                out = self._decode_native(flat, residual)
                 if out is not None:
                     return out.view(shape)
             # The shared expert's gate/up weights (the fused op reads them whatever the routing) go to L2 while
@@ -202,10 +202,11 @@ class SparseMoE(nn.Module):
         out = out.view(shape)
         return out if residual is None else residual + out
 
-    def _one_token_native(self, flat: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """A CPU decode token through the whole layer in one C call (:func:`kimi_linear.ops.native.moe.moe_decode`:
-        router, experts, shared expert, residual add) when the experts are packed with the shared expert stacked
-        last (or none), SiLU experts, one expert group, no latent space; else None (the PyTorch paths run)."""
+    def _decode_native(self, flat: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """A CPU decode step's rows through the whole layer in one C call (:func:`kimi_linear.ops.native.moe.
+        moe_decode`: router, experts, shared expert, residual add) when the experts are packed with the shared expert
+        stacked last (or none), SiLU experts, one expert group, no latent space, at most ``MAX_ROWS`` rows; else None
+        (the PyTorch paths run)."""
         if self.latent_size is not None or self.experts[0].glu is not silu_glu or self.gate.n_group != 1:
             return None
         packed = self._packed_experts()

@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -175,8 +176,8 @@ int32_t kda_decode_f32(
  * s = sigmoid(router_w x); the top_k experts of s + bias, weighted by their s (renormalised to sum 1 when
  * renormalize, + 1e-20), times scaling. x [D], router_w [E, D] row-major, bias [E]; writes experts [top_k] int64
  * and weights [top_k], best first. */
-void router_topk_f32(const float *x, const float *router_w, const float *bias, int64_t E, int64_t D,
-                     int64_t top_k, int32_t renormalize, float scaling, int64_t *experts, float *weights) {
+static void router_topk(const float *x, const float *router_w, const float *bias, int64_t E, int64_t D,
+                        int64_t top_k, int32_t renormalize, float scaling, int64_t *experts, float *weights) {
     float s[E], choice[E];
     for (int64_t e = 0; e < E; e++) {
         const float *w = router_w + e * D;
@@ -199,37 +200,118 @@ void router_topk_f32(const float *x, const float *router_w, const float *bias, i
     for (int64_t j = 0; j < top_k; j++) weights[j] *= norm;
 }
 
-/* y[o] for o in [lo, hi) of y = M x, M [n_out, n_in] with element (o, i) at M[o * so + i * si]: dot products
- * along contiguous rows when si == 1, else (so == 1: stored transposed) a sum of contiguous row segments. */
-static void gemv_range(const float *M, int64_t so, int64_t si, const float *x, int64_t n_in, float *y,
-                       int64_t lo, int64_t hi) {
+/* Y[r, o] = sum_i M[o, i] X[row_r, i] for r < n and this thread's outputs o in [lo, hi); M [n_out, n_in] with
+ * element (o, i) at M[o * so + i * si]; row_r = rows[r] (rows NULL: r), X rows ldx apart, Y rows ldy apart.
+ * Each stretch of the weight is read once for all n rows (it stays in L1 while they use it): along contiguous
+ * rows of M when si == 1, else (so == 1: stored transposed) along its contiguous columns. */
+static void products(const float *M, int64_t so, int64_t si, const float *X, int64_t ldx, const int64_t *rows,
+                     int64_t n, int64_t n_in, float *Y, int64_t ldy, int64_t lo, int64_t hi) {
     if (si == 1) {
         for (int64_t o = lo; o < hi; o++) {
             const float *m = M + o * so;
-            float acc = 0.0f;
-            for (int64_t i = 0; i < n_in; i++) acc += m[i] * x[i];
-            y[o] = acc;
+            for (int64_t r = 0; r < n; r++) {
+                const float *x = X + (rows ? rows[r] : r) * ldx;
+                float acc = 0.0f;
+                for (int64_t i = 0; i < n_in; i++) acc += m[i] * x[i];
+                Y[r * ldy + o] = acc;
+            }
         }
     } else {
-        for (int64_t o = lo; o < hi; o++) y[o] = 0.0f;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t o = lo; o < hi; o++) Y[r * ldy + o] = 0.0f;
         for (int64_t i = 0; i < n_in; i++) {
-            const float *m = M + i * si, xi = x[i];
-            for (int64_t o = lo; o < hi; o++) y[o] += m[o] * xi;
+            const float *m = M + i * si;
+            for (int64_t r = 0; r < n; r++) {
+                const float xi = X[(rows ? rows[r] : r) * ldx + i];
+                float *y = Y + r * ldy;
+                for (int64_t o = lo; o < hi; o++) y[o] += m[o] * xi;
+            }
         }
     }
 }
 
-/* The GLU experts of one token: out = residual + sum_j weights[j] * W2_e (silu(W1_e x) * W3_e x), e = experts[j]
- * (layers.moe: routed experts and the shared expert stacked after them; layers.mlp: one dense MLP).
- * experts and weights NULL: one expert, index 0, weight 1.
- * x [D]; w13 expert e [2I, D] (W1 rows then W3 rows), element (o, i) at w13[e*s13e + o*s13o + i*s13i];
- * w2 expert e [D, I] likewise; residual [D] or NULL; out [D]; hidden: scratch [n, I].
- * Both products are split over the output features between the threads (each streams its share of the weights:
- * one core alone does not reach the memory bandwidth). */
-void glu_experts_f32(const float *x, int64_t D, int64_t I, int64_t n, const int64_t *experts,
-                     const float *weights, const float *w13, int64_t s13e, int64_t s13o, int64_t s13i,
-                     const float *w2, int64_t s2e, int64_t s2o, int64_t s2i, const float *residual, float *out,
-                     float *hidden, int32_t threads) {
+#ifdef _OPENMP
+#define BARRIER _Pragma("omp barrier")
+#else
+#define BARRIER
+#endif
+
+/* One GLU expert for the n rows x[rows[r]] ([D] each, ldx apart): out[rows[r]] += w[r] * W2 (silu(W1 x) * W3 x),
+ * with W1 | W3 = M13 [2I, D] and W2 = M2 [D, I] (strides as in `products`), this thread's share of the features.
+ * scratch: [n, 3I + D]. Called by every thread of a parallel region (it synchronises them). */
+static void expert_rows(const float *M13, int64_t so13, int64_t si13, const float *M2, int64_t so2, int64_t si2,
+                        int64_t D, int64_t I, const float *x, int64_t ldx, const int64_t *rows, const float *w,
+                        int64_t n, float *scratch, float *out, int64_t tid, int64_t nt) {
+    float *gu = scratch, *hidden = scratch + n * 2 * I, *y = hidden + n * I;
+    int64_t lo = I * tid / nt, hi = I * (tid + 1) / nt;
+    products(M13, so13, si13, x, ldx, rows, n, D, gu, 2 * I, lo, hi);                   /* gate rows */
+    products(M13 + I * so13, so13, si13, x, ldx, rows, n, D, gu + I, 2 * I, lo, hi);    /* up rows */
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t f = lo; f < hi; f++) {
+            const float a = gu[r * 2 * I + f];
+            hidden[r * I + f] = a * sigmoidf(a) * gu[r * 2 * I + I + f];
+        }
+    BARRIER
+    lo = D * tid / nt, hi = D * (tid + 1) / nt;
+    products(M2, so2, si2, hidden, I, NULL, n, I, y, D, lo, hi);
+    for (int64_t r = 0; r < n; r++) {
+        float *o = out + (rows ? rows[r] : r) * D;
+        const float wr = w ? w[r] : 1.0f;
+        for (int64_t f = lo; f < hi; f++) o[f] += wr * y[r * D + f];
+    }
+    BARRIER    /* the next expert reuses the scratch */
+}
+
+static void start_output(const float *residual, float *out, int64_t N, int64_t D) {
+    for (int64_t i = 0; i < N * D; i++) out[i] = residual ? residual[i] : 0.0f;
+}
+
+/* A dense GLU MLP (layers.mlp.SwiGLUMLP) for N rows: out = residual + W2 (silu(W1 x) * W3 x); x, residual (or
+ * NULL), out [N, D]; w13 [2I, D], w2 [D, I] with the strides of `products`; scratch [N, 3I + D]. */
+void glu_rows_f32(const float *x, int64_t N, int64_t D, int64_t I, const float *w13, int64_t s13o, int64_t s13i,
+                  const float *w2, int64_t s2o, int64_t s2i, const float *residual, float *out, float *scratch,
+                  int32_t threads) {
+    start_output(residual, out, N, D);
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    expert_rows(w13, s13o, s13i, w2, s2o, s2i, D, I, x, D, NULL, NULL, N, scratch, out, omp_get_thread_num(),
+                omp_get_num_threads());
+#else
+    expert_rows(w13, s13o, s13i, w2, s2o, s2i, D, I, x, D, NULL, NULL, N, scratch, out, 0, 1);
+#endif
+}
+
+/* A MoE layer (layers.moe.SparseMoE: sigmoid router with one expert group, SiLU GLU experts stacked) for N rows:
+ * out = residual + sum over each row's top_k experts of weight * expert(x) (+ the shared expert stacked at index
+ * `shared` with weight 1 when shared >= 0). x, residual (or NULL), out [N, D]; router_w [E, D]; bias [E]; w13
+ * [E', 2I, D] and w2 [E', D, I] at element strides (s13e, s13o, s13i) and (s2e, s2o, s2i); scratch [N, 3I + D].
+ * Writes the choice into experts [N, top_k] and weights [N, top_k]. Experts run one after the other, each over
+ * the rows that chose it (its weights read once for all of them), its products split between the threads by
+ * output feature. Returns 0, or -1 when the working lists cannot be allocated (nothing written but the choice). */
+int32_t moe_rows_f32(const float *x, int64_t N, int64_t D, int64_t I, const float *router_w, const float *bias,
+                     int64_t E, int64_t top_k, int32_t renormalize, float scaling, int64_t shared,
+                     const float *w13, int64_t s13e, int64_t s13o, int64_t s13i, const float *w2, int64_t s2e,
+                     int64_t s2o, int64_t s2i, const float *residual, float *out, float *scratch,
+                     int64_t *experts, float *weights, int32_t threads) {
+    for (int64_t r = 0; r < N; r++)
+        router_topk(x + r * D, router_w, bias, E, D, top_k, renormalize, scaling, experts + r * top_k,
+                    weights + r * top_k);
+    /* the rows of each expert, grouped by a counting sort over the (row, expert) pairs */
+    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t)), *rows = malloc((size_t)(N * top_k) * sizeof(int64_t));
+    float *w = malloc((size_t)(N * top_k) * sizeof(float));
+    if (!start || !rows || !w) { free(start); free(rows); free(w); return -1; }
+    for (int64_t j = 0; j < N * top_k; j++) start[experts[j] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t fill[E];
+    memcpy(fill, start, (size_t)E * sizeof(int64_t));
+    for (int64_t j = 0; j < N * top_k; j++) {
+        const int64_t at = fill[experts[j]]++;
+        rows[at] = j / top_k;
+        w[at] = weights[j];
+    }
+    start_output(residual, out, N, D);
+    (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -238,50 +320,15 @@ void glu_experts_f32(const float *x, int64_t D, int64_t I, int64_t n, const int6
         const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
         const int64_t tid = 0, nt = 1;
-        (void)threads;
 #endif
-        float gu[2 * I];
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t e = experts ? experts[j] : 0;
-            /* this thread's features f of the expert's gate (row f) and up (row I + f) products */
-            const int64_t lo = I * tid / nt, hi = I * (tid + 1) / nt;
-            const float *M = w13 + e * s13e;
-            gemv_range(M, s13o, s13i, x, D, gu, lo, hi);
-            gemv_range(M + I * s13o, s13o, s13i, x, D, gu + I, lo, hi);
-            for (int64_t f = lo; f < hi; f++) {
-                const float a = gu[f];
-                hidden[j * I + f] = a * sigmoidf(a) * gu[I + f];
-            }
-        }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        const int64_t lo = D * tid / nt, hi = D * (tid + 1) / nt;
-        float y[D];
-        for (int64_t o = lo; o < hi; o++) out[o] = residual ? residual[o] : 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            gemv_range(w2 + (experts ? experts[j] : 0) * s2e, s2o, s2i, hidden + j * I, I, y, lo, hi);
-            const float wj = weights ? weights[j] : 1.0f;
-            for (int64_t o = lo; o < hi; o++) out[o] += wj * y[o];
-        }
+        for (int64_t e = 0; e < E; e++)
+            if (start[e + 1] > start[e])
+                expert_rows(w13 + e * s13e, s13o, s13i, w2 + e * s2e, s2o, s2i, D, I, x, D, rows + start[e],
+                            w + start[e], start[e + 1] - start[e], scratch, out, tid, nt);
+        if (shared >= 0)
+            expert_rows(w13 + shared * s13e, s13o, s13i, w2 + shared * s2e, s2o, s2i, D, I, x, D, NULL, NULL, N,
+                        scratch, out, tid, nt);
     }
-}
-
-/* A MoE layer for one token: router_topk_f32, then glu_experts_f32 over the chosen experts and, when
- * shared >= 0, the shared expert stacked at that index with weight 1. Writes the choice into experts
- * [top_k] and weights [top_k]; hidden: scratch [top_k + 1, I]. */
-void moe_decode_f32(const float *x, int64_t D, int64_t I, const float *router_w, const float *bias, int64_t E,
-                    int64_t top_k, int32_t renormalize, float scaling, int64_t shared, const float *w13,
-                    int64_t s13e, int64_t s13o, int64_t s13i, const float *w2, int64_t s2e, int64_t s2o,
-                    int64_t s2i, const float *residual, float *out, float *hidden, int64_t *experts,
-                    float *weights, int32_t threads) {
-    int64_t chosen[top_k + 1];
-    float w[top_k + 1];
-    router_topk_f32(x, router_w, bias, E, D, top_k, renormalize, scaling, chosen, w);
-    memcpy(experts, chosen, (size_t)top_k * sizeof(int64_t));
-    memcpy(weights, w, (size_t)top_k * sizeof(float));
-    int64_t n = top_k;
-    if (shared >= 0) { chosen[n] = shared; w[n] = 1.0f; n++; }
-    glu_experts_f32(x, D, I, n, chosen, w, w13, s13e, s13o, s13i, w2, s2e, s2o, s2i, residual, out, hidden,
-                    threads);
+    free(start); free(rows); free(w);
+    return 0;
 }
