@@ -33,9 +33,11 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("decode.c")
 # Reassociation (vectorised sums) without -ffast-math: that flag (and -funsafe-math-optimizations) also links
 # crtfastmath, whose constructor turns on flush-to-zero for the whole process when the library loads, and every
-# PyTorch op after it would lose its subnormal numbers.
+# PyTorch op after it would lose its subnormal numbers. Unrolling with several partial sums per dot product (the
+# variable expansion) keeps the FMA units busy instead of waiting on one sum's latency: a MoE layer of the small
+# preset on 8 rows 0.81 -> 0.62 ms (A/B in one process, Intel box, 2 threads), one row unchanged.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
-         "-std=c11", "-shared", "-fPIC")
+         "-funroll-loops", "-fvariable-expansion-in-unroller", "-std=c11", "-shared", "-fPIC")
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 SIGNATURES = {

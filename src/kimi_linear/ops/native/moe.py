@@ -9,10 +9,11 @@ from . import library
 
 # Rows x expert size (N * I * D) up to which the C kernels run. Their products are plain loops: they win where
 # the PyTorch path's ~7 ops an expert cost more than the arithmetic (one row, a few rows, small experts) and lose
-# to BLAS's matrix products on many rows of large experts. Intel box, MoE layer alone, 2 threads, ms a layer, C /
-# PyTorch: `small` preset (I * D = 131k) 0.21 / 0.40 at 1 row, 1.08 / 1.25 at 8, 1.78 / 1.60 at 16, 3.12 / 1.94 at
-# 32; `tiny` (I * D = 8k, 1 thread) 0.11 / 0.27 at 1, 0.20 / 0.67 at 16, 0.27 / 0.72 at 32.
-MAX_WORK = 1 << 20
+# to BLAS's matrix products on many rows of large experts. Intel box, MoE layer alone, ms a layer, C / PyTorch:
+# `small` preset (I * D = 131k), 2 threads: 0.22 / 0.39 at 1 row, 0.82 / 1.22 at 8, 1.15 / 1.43 at 16, 2.01 / 1.66
+# at 32 (1 thread: 2.09 / 2.22 at 16, 3.20 / 2.71 at 32); `tiny` (I * D = 8k), 1 thread: 0.11 / 0.27 at 1 row,
+# 0.20 / 0.67 at 16, 0.27 / 0.72 at 32.
+MAX_WORK = 1 << 21
 MAX_ROWS = 256
 
 
