@@ -205,8 +205,8 @@ class SparseMoE(nn.Module):
     def _decode_native(self, flat: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """A CPU decode step's rows through the whole layer in one C call (:func:`kimi_linear.ops.native.moe.
         moe_decode`: router, experts, shared expert, residual add) when the experts are packed with the shared expert
-        stacked last (or none), SiLU experts, one expert group, no latent space, at most ``MAX_ROWS`` rows; else None
-        (the PyTorch paths run)."""
+        stacked last (or none), SiLU experts, one expert group, no latent space, and the rows within the kernel's
+        limits (``MAX_ROWS``, ``MAX_WORK``); else None (the PyTorch paths run)."""
         if self.latent_size is not None or self.experts[0].glu is not silu_glu or self.gate.n_group != 1:
             return None
         packed = self._packed_experts()

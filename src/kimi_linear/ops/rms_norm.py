@@ -7,7 +7,9 @@
 
 On CUDA tensors, when no gradient is needed, both run the Triton kernels of :mod:`kimi_linear.ops.triton.rms_norm`
 (one kernel for the norm, one for add + norm, instead of 4 and 5 PyTorch kernels: a decode step is dominated by
-per-kernel overhead); this module is the PyTorch path, the training path and the reference.
+per-kernel overhead); on small CPU float32 tensors (a decode step's rows) the C kernels of
+:mod:`kimi_linear.ops.native.norm`, for the same reason; this module is the PyTorch path, the training path and the
+reference.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
-"""CPU kernels in C for a decoding token (``decode.c``), compiled on first use and called through ctypes.
+"""CPU kernels in C for a decode step's rows (``decode.c``), compiled on first use and called through ctypes.
 
 Why: on a CPU a decode step of a small model is bound by per-op overhead. Every PyTorch op costs 3-20 us there
-(2-3x more right after a projection streamed a cold weight through the caches), a call through ctypes 1-3 us, and
-the KDA layer's step between its input and output projections is ~65 ops (BENCHMARKS.md, "The model on a CPU").
-The projections themselves stay BLAS products (:func:`kimi_linear.layers.linear.linear`); these kernels replace
-the small ops between them.
+(2-3x more right after a projection streamed a cold weight through the caches), a call through ctypes 1-3 us; the
+KDA layer's step between its input and output projections is ~65 ops, a MoE layer's ~57 (BENCHMARKS.md, "The
+model on a CPU"). The KDA, MLA and output projections stay BLAS products (:func:`kimi_linear.layers.linear.linear`);
+these kernels replace the ops between them, and the MoE layer and dense MLP whole (:mod:`.kda`, :mod:`.moe`,
+:mod:`.norm`).
 
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``,
-reassociated sums, no ``-ffast-math``)
-into ``$KIMI_LINEAR_CACHE`` (default ``~/.cache/kimi_linear``; a per-user temporary folder when that cannot be
-written), keyed by the source, the compiler, the flags and the CPU, written under a temporary name and renamed, so
-concurrent processes never load a partial file. Without a
-compiler, or when compiling fails (one warning says why), :func:`library` returns None and every caller keeps its
-PyTorch path, which is also the reference the kernels are tested against. ``KIMI_LINEAR_NATIVE=0`` turns the
-kernels off (to compare the two paths).
+reassociated sums, no ``-ffast-math``; OpenMP when the compiler has it) into ``$KIMI_LINEAR_CACHE`` (default
+``~/.cache/kimi_linear``; a per-user temporary folder when that cannot be written), keyed by the source, the
+compiler, the flags and the CPU, written under a temporary name and renamed, so concurrent processes never load a
+partial file. Without a compiler, or when compiling fails (one warning says why), :func:`library` returns None and
+every caller keeps its PyTorch path, which is also the reference the kernels are tested against.
+``KIMI_LINEAR_NATIVE=0`` turns the kernels off (read at every call: to compare the two paths).
 """
 
 from __future__ import annotations
