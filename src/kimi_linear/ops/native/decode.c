@@ -1,9 +1,10 @@
-/* CPU kernels for one decoding token, float32 (kimi_linear.ops.native; docs/kda.md §7, docs/model.md §1, §3).
+/* CPU kernels for a decode step's rows, float32 (kimi_linear.ops.native; docs/kda.md §7, docs/model.md §1, §3,
+ * §5).
  *
  * A CPU decode step of a small model is bound by per-op overhead, not arithmetic: every PyTorch op costs
  * 3-20 us there (more right after a projection has streamed a cold weight through the caches), and a KDA
- * layer's step between its two projections is ~65 of them. Each function here is one call for such a run of
- * ops. Shapes and formulas are those of the PyTorch path, which stays the reference.
+ * layer's step between its two projections is ~65 of them, a MoE layer's ~57. Each function here is one call for
+ * such a run of ops. Shapes and formulas are those of the PyTorch path, which stays the reference.
  *
  * Compiled on first use by kimi_linear/ops/native/__init__.py (-O3 -march=native; sums may be reassociated and
  * vectorised; IEEE infinities and subnormals as usual: no -ffast-math, which would flush subnormals to zero in
