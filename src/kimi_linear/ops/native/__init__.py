@@ -30,6 +30,8 @@ import threading
 import warnings
 from pathlib import Path
 
+import torch
+
 SOURCE = Path(__file__).with_name("decode.c")
 # Reassociation (vectorised sums) without -ffast-math: that flag (and -funsafe-math-optimizations) also links
 # crtfastmath, whose constructor turns on flush-to-zero for the whole process when the library loads, and every
@@ -58,6 +60,15 @@ _state: dict[str, object] = {}
 
 def enabled() -> bool:
     return os.environ.get("KIMI_LINEAR_NATIVE", "1") != "0"
+
+
+def cpu_float32_inference(*tensors: torch.Tensor | None) -> bool:
+    """What every kernel here needs of its tensors (None entries skipped): on the CPU, float32, and no gradient
+    wanted through any of them (the kernels have no backward)."""
+    ts = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in ts):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
 
 def cache_dir() -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import cpu_float32_inference, library
 
 
 def _rows_ok(t: torch.Tensor, D: int = 1) -> bool:
@@ -33,10 +33,7 @@ def kda_decode(
     lib = library()
     if lib is None:
         return None
-    tensors = (qkv, g, gate, beta, conv_weight, window, memory, A_log, dt_bias, norm_weight)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not cpu_float32_inference(qkv, g, gate, beta, conv_weight, window, memory, A_log, dt_bias, norm_weight):
         return None
     B, H, D = g.shape[0], g.shape[-2], g.shape[-1]
     W, C, S = conv_weight.shape[0], 3 * H * D, window.shape[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import cpu_float32_inference, library
 
 # Rows x expert size (N * I * D) up to which the C kernels run. Their products are plain loops: they win where
 # the PyTorch path's ~7 ops an expert cost more than the arithmetic (one row, a few rows, small experts) and lose
@@ -27,13 +27,8 @@ def _strides(w: torch.Tensor) -> tuple[int, int, int] | None:
 def _usable(x: torch.Tensor, D: int, I: int, residual: torch.Tensor | None, *weights: torch.Tensor) -> bool:
     """CPU float32 rows x [N, D] (and residual of x's shape), contiguous, N <= MAX_ROWS and N * I * D <= MAX_WORK,
     no gradient."""
-    ts = [x, *weights] + ([residual] if residual is not None else [])
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in ts):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return False
-    return (x.dim() == 2 and x.shape[1] == D and 0 < x.shape[0] <= MAX_ROWS and x.shape[0] * I * D <= MAX_WORK
-            and x.is_contiguous()
+    return (cpu_float32_inference(x, residual, *weights) and x.dim() == 2 and x.shape[1] == D
+            and 0 < x.shape[0] <= MAX_ROWS and x.shape[0] * I * D <= MAX_WORK and x.is_contiguous()
             and (residual is None or (residual.shape == x.shape and residual.is_contiguous())))
 
 

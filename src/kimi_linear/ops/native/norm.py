@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import cpu_float32_inference, library
 
 # Above this many elements an op is not overhead-bound any more and PyTorch's (multi-threaded) op runs.
 MAX_ELEMENTS = 1 << 14
@@ -13,9 +13,7 @@ MAX_ELEMENTS = 1 << 14
 
 def _applies(x: torch.Tensor, weight: torch.Tensor, *more: torch.Tensor) -> bool:
     ts = (x, weight, *more)
-    return (x.numel() <= MAX_ELEMENTS and x.numel() > 0 and all(t.device.type == "cpu" and t.dtype == torch.float32
-            and t.is_contiguous() for t in ts)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
+    return (0 < x.numel() <= MAX_ELEMENTS and cpu_float32_inference(*ts) and all(t.is_contiguous() for t in ts))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
