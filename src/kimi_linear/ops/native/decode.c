@@ -16,6 +16,11 @@
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+static inline int64_t thread_index(void) { return omp_get_thread_num(); }
+static inline int64_t thread_count(void) { return omp_get_num_threads(); }
+#else
+static inline int64_t thread_index(void) { return 0; }
+static inline int64_t thread_count(void) { return 1; }
 #endif
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -276,11 +281,9 @@ void glu_rows_f32(const float *x, int64_t N, int64_t D, int64_t I, const float *
     (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
-    expert_rows(w13, s13o, s13i, w2, s2o, s2i, D, I, x, D, NULL, NULL, N, scratch, out, omp_get_thread_num(),
-                omp_get_num_threads());
-#else
-    expert_rows(w13, s13o, s13i, w2, s2o, s2i, D, I, x, D, NULL, NULL, N, scratch, out, 0, 1);
 #endif
+    expert_rows(w13, s13o, s13i, w2, s2o, s2i, D, I, x, D, NULL, NULL, N, scratch, out, thread_index(),
+                thread_count());
 }
 
 /* A MoE layer (layers.moe.SparseMoE: sigmoid router with one expert group, SiLU GLU experts stacked) for N rows:
@@ -317,11 +320,7 @@ int32_t moe_rows_f32(const float *x, int64_t N, int64_t D, int64_t I, const floa
 #pragma omp parallel num_threads(threads)
 #endif
     {
-#ifdef _OPENMP
-        const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t tid = 0, nt = 1;
-#endif
+        const int64_t tid = thread_index(), nt = thread_count();
         for (int64_t e = 0; e < E; e++)
             if (start[e + 1] > start[e])
                 expert_rows(w13 + e * s13e, s13o, s13i, w2 + e * s2e, s2o, s2i, D, I, x, D, rows + start[e],
