@@ -402,3 +402,43 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     assert tiles and all(tiles)                                  # every path's tiles came by descriptor
     assert torch.equal(o, o_ptr) and torch.equal(S, S_ptr)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("case", ["gva initial state l2norm", "varlen", "strong decay", "length 1", "odd widths"])
+def test_wy_factors_formed_in_the_scan(case, monkeypatch):
+    """``LaunchConfig(wy_in_scan=True)``: the scan forms w, u, qg, kg and decay per chunk in registers from the
+    inverse (chunk_state.chunk_kda_fwd_wy_h_kernel) where the WY kernel would store them for it: the reference's
+    numbers at the usual bars, and bit for bit those of the stored factors (same roundings, same products), with GVA,
+    l2norm, beta logits and an initial state; varlen with an empty sequence; strong decay; one token; K and V
+    that are not powers of two. bf16 inputs only: with float32 intermediates the fused scan does not fit the H200's
+    shared memory, and the scan reads the stored factors (checked last)."""
+    from kimi_linear.ops.triton import chunk_state
+
+    dtype = torch.bfloat16
+    formed = spy_calls(monkeypatch, chunk_state, "wy_factor_tiles")
+    cu, opts, K = None, NO_OPTIONS, 32
+    if case == "varlen":
+        cu = torch.tensor([0, 70, 70, 200])
+        x = make_inputs(B=1, T=200, H=1, HV=2, K=K, V=48, N=3, dtype=dtype, seed=80)
+    elif case == "strong decay":
+        x = make_inputs(B=1, T=130, H=1, HV=2, K=K, V=16, strong_decay=True, dtype=dtype, seed=81)
+    elif case == "odd widths":
+        K = 80
+        x = make_inputs(B=2, T=70, H=1, HV=2, K=K, V=48, dtype=dtype, seed=82)
+    else:
+        x = make_inputs(B=2, T=1 if case == "length 1" else 100, H=1, HV=2, K=K, V=32, dtype=dtype, seed=83)
+        opts = KernelOptions(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, x["initial_state"], True, opts, cu)
+    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_in_scan=True))
+    assert formed
+    formed.clear()
+    o_st, S_st = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_in_scan=False))
+    assert not formed
+    o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
+    assert o.dtype == dtype and torch.isfinite(o).all()
+    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+    assert torch.equal(o, o_st) and torch.equal(S, S_st)
+    f32 = {name: t.float() for name, t in x.items()}
+    chunk_kda_fwd(*(f32[n] for n in ("q", "k", "v", "g", "beta")), K ** -0.5, f32["initial_state"], True, opts, cu,
+                  cfg=LaunchConfig(wy_in_scan=True))
+    assert not formed
