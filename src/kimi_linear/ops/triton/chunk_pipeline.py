@@ -37,7 +37,7 @@ from .chunk_bwd import (
 )
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
-from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_wy_h_kernel
+from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .device import num_sms
 from .ints import cdiv, next_pow2
@@ -69,10 +69,6 @@ class LaunchConfig:
     # pointer loads, which it does not pipeline). H200: WY kernel 1.77 -> 1.64 ms, the backward's recompute 1.12 ->
     # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
     wy_tma: bool = True
-    # The forward's state scan forms w, u, qg, kg and decay per chunk from q, k, v, gP and the inverse
-    # (chunk_state.chunk_kda_fwd_wy_h_kernel) and the WY kernel only inverts: ~2 GB less written and read again at
-    # 16 x 2048, H = 32, for the key side formed once per value block. Not yet timed on a GPU
-    wy_in_scan: bool = True
     # The same for the scores' q, k and gP tiles in all three paths (chunk_wy.separable_scores, halves_scores,
     # chunk_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
     # scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound): separable scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65
@@ -324,16 +320,9 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         Tm = p.empty(B, T, HV, BT)
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
-    fused = scale is not None                                          # the forward: o formed in the scan
-    # float32 intermediates: the fused scan's three stages of float32 tiles ask 259 KiB of shared memory (offline
-    # sm_90 build; the H200 has 227 KiB)
-    wy_in_scan = fused and cfg.wy_in_scan and p.sdt != torch.float32
-    if wy_in_scan:                                                     # formed in the scan, never stored
-        w = qg = kg = u = decay = p.dummy
-    else:
-        w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
-        u = p.empty(B, T, HV, V, dtype=p.sdt)
-        decay = p.empty(max(NT, 1), HV, K)
+    w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
+    u = p.empty(B, T, HV, V, dtype=p.sdt)
+    decay = p.empty(max(NT, 1), HV, K)
     bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
@@ -354,27 +343,16 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-    # STAGE 0: the inverse and the WY factors in one program; 1: the inverse alone (the scan forms the factors);
-    # 2: the factors from the inverse kept in memory
-    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 1 if wy_in_scan else 0,
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
+    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
                                            **wy, **shared)
+    fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)
     o = p.empty(B, T, HV, V, dtype=p.dtype) if fused else None
     ht = p.empty(p.N, HV, K, V) if output_final_state else None
     BV = p.h_bv
-    if wy_in_scan:
-        chunk_kda_fwd_wy_h_kernel[(cdiv(V, BV), p.N * HV)](
-            q=q, k=k, v=v, beta=beta, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Tm=Tm, Aqk=Aqk,
-            o=o, h0=p.ptr(initial_state), ht=p.ptr(ht),
-            cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets), scale=scale, T=T,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN,
-            USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-            USE_QK_L2NORM=use_l2, USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval,
-            PREC=p.prec, num_warps=cfg.h_warps, num_stages=p.h_out_stages,
-        )
-        return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht, o)
     chunk_kda_fwd_h_kernel[(cdiv(V, BV), p.N * HV)](
         w=w, u=u, kg=kg, decay=decay, h=h, vn=vn, h0=p.ptr(initial_state), ht=p.ptr(ht),
         qg=qg, Aqk=Aqk, o=p.ptr(o),

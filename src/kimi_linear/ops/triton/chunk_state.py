@@ -38,7 +38,6 @@ from .chunk_common import (
     store_rows,
     store_state,
 )
-from .chunk_wy import wy_factor_tiles
 
 
 @triton.jit
@@ -82,46 +81,6 @@ def chunk_kda_fwd_h_kernel(
         else:
             store_rows(vn, b_vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)
         # The state update uses vn as stored, so the output and the backward see the same writes.
-        b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
-
-    if STORE_FINAL_STATE:
-        store_state(ht + i_nh.to(tl.int64) * K * V, b_h, o_k, o_v, K, V)
-
-
-@triton.jit
-def chunk_kda_fwd_wy_h_kernel(
-    q, k, v, beta, gP, rq, rk, Tm, Aqk,   # inputs, gP, the l2norm factors, the inverse and Aqk of kernels (a)-(c)
-    o, h0, ht,                        # out [B, T, HV, V] input dtype; [N, HV, K, V] float32 in / out
-    cu_seqlens, chunk_offsets,        # varlen only
-    scale, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
-):
-    """The forward's scan with the WY factors formed per chunk in registers (LaunchConfig.wy_in_scan) instead of
-    read from memory: w, u, qg, kg and decay never go to memory (1 KiB per token and value head written and read
-    again at K = V = 128, about 2 GB at 16 x 2048, H = 32); each program computes the key side of its chunk
-    again, once per value block. The same numbers as :func:`chunk_kda_fwd_h_kernel` after the WY kernel."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, T_n, c_first = seq_coords(i_n, cu_seqlens, chunk_offsets, T, IS_VARLEN, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)                             # [BK, BV]
-    if USE_INITIAL_STATE:
-        b_h += load_state(h0 + i_nh.to(tl.int64) * K * V, o_k, o_v, K, V)
-
-    for i_t in range(0, tl.cdiv(T_n, BT)):
-        t0 = i_t * BT
-        b_w, b_qg, b_kg, b_d, b_u = wy_factor_tiles(
-            q, k, v, beta, gP, rq, rk, Tm, bos, t0, T_n, i_h, i_hv, o_k, o_v, H, HV, K, V, BT, BC,
-            USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, Aqk.dtype.element_ty)
-        b_vn = cast(b_u - mm(b_w, cast(b_h, b_w.dtype), PREC), b_w.dtype)     # [BT, BV]
-        b_A = load_rows(Aqk, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)  # [BT, BT]
-        b_o = mm(b_qg, cast(b_h, b_qg.dtype), PREC) + mm(b_A, b_vn, PREC)      # [BT, BV]
-        store_rows(o, b_o * scale, bos, t0, T_n, i_hv, HV, V, o_v, BT)
         b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
 
     if STORE_FINAL_STATE:

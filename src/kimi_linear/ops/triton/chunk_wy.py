@@ -32,7 +32,6 @@ import triton.language as tl
 from .chunk_common import (
     SAFE_EXP,
     block_of,
-    cast,
     chunk_coords,
     chunk_gate_terms,
     chunk_separable,
@@ -515,31 +514,6 @@ def wy_products(
 
 
 @triton.jit
-def wy_factor_tiles(
-    q, k, v, beta, gP, rq, rk, Tm, bos, t0, T_n, i_h, i_hv, o_k, o_v,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
-    SDT: tl.constexpr,
-):
-    """The chunk's WY factors in registers, as :func:`wy_products` would store them (rounded to the storage dtype
-    ``SDT``) and the scan load them: (w, qg, kg [BT, len(o_k)] SDT, decay [len(o_k)] float32, u [BT, len(o_v)]
-    float32), from its inverse in ``Tm`` (the forward's state scan with LaunchConfig.wy_in_scan)."""
-    b_Th = wy_inverse_operand(load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT), PREC)   # [BT, BT]
-    b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)                # [BT]
-    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)                          # [BT] x2
-    b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)                    # [BT, BK] x2
-    b_eG = fast_exp(b_G)
-    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]               # [BT, BK]
-    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]               # [BT, BK]
-    b_w = cast(wy_product(b_Th, b_k * b_eG * b_beta[:, None], PREC), SDT)
-    b_qg = cast(b_q * b_eG, SDT)
-    b_kg = cast(b_k * fast_exp(b_Gs), SDT)
-    b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32) * b_beta[:, None]           # [BT, BV]
-    b_u = cast(wy_product(b_Th, b_v, PREC), SDT).to(tl.float32)
-    return b_w, b_qg, b_kg, tl.exp(b_GC), b_u
-
-
-@triton.jit
 def chunk_kda_fwd_wy_kernel(
     q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
     Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
@@ -551,17 +525,13 @@ def chunk_kda_fwd_wy_kernel(
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr,
     d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
-    """The inverse and the WY factors of a chunk (``STAGE`` 0), the inverse alone (``STAGE`` 1: the forward whose
-    state scan forms the factors, LaunchConfig.wy_in_scan), or the WY factors alone from an inverse kept from the
-    forward (``STAGE`` 2: the backward's recomputation)."""
+    """The inverse and the WY factors of a chunk (``STAGE`` 0), or the WY factors alone from an inverse kept from
+    the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if STAGE <= 1:
-        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    if STAGE == 1:
-        return
     if STAGE == 0:
+        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
         # The same program reads the inverse back as one tile: make every thread's stores visible first.
         tl.debug_barrier()
     b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
