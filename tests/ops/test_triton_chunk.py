@@ -66,9 +66,9 @@ def test_in_kernel_options(gate, store):
 @pytest.mark.parametrize("T", [1, 64, 130])
 def test_extreme_gates_and_lengths(T):
     """Per-step gates of -1000 (every 7th step, and the first) and exactly 0 (every 5th from the 3rd): finite, and
-    float32-accurate. Bar 1e-4: inside a 16-row diagonal block the factors are products of single steps' decays
-    exp(gP_{j+1} - gP_j) (chunk_diag.py), differences of two sums that can hold -1000s (about 1e-4 absolute
-    rounding in the exponent); elsewhere exponents are plain sums."""
+    float32-accurate. Bar 1e-4: inside a 16-row diagonal block the factors exp(gP_i - gP_r), exp(gP_r - gP_j) (r
+    a reference row, chunk_wy.diagonal_levels) are differences of two sums that can hold -1000s (about 1e-4
+    absolute rounding in the exponent); elsewhere exponents are plain sums."""
     x = make_inputs(B=1, T=T, H=1, K=32, V=16, strong_decay=True, seed=33)
     x["g"][:, 0] = -1000.0
     o, S = run(x)
@@ -278,15 +278,14 @@ def test_wide_keys_forward_and_final_state():
                                   "varlen mixed", "-1000 padding"])
 def test_strong_decay(case, dtype, monkeypatch):
     """The strong-decay regime of issue 20 against the float64 reference: every 16-row sub-block's gate sum far
-    below -SAFE_EXP, so ``exp(-gP_j)`` overflows float32 and the diagonal blocks must come from the diagonal
-    kernel's running products (chunk_diag.diagonal_block, counted: the test fails if it is not taken). The
-    in-kernel softplus gate with A_log = log U(1, 16) (about -6.7 a step) and l2norm over GVA; mild and strong
-    channels (and -1000 steps) in the same chunks (test cases: triton_cases.mixed_gates), also packed with
-    lengths that are not multiples of 64 and an empty sequence; -1000 on every 7th step and 0 on every 5th.
-    Lengths 130 and 200, initial states."""
-    from kimi_linear.ops.triton import chunk_diag
+    below -SAFE_EXP, so ``exp(-gP_j)`` overflows float32 and the diagonal blocks must take the reference-row levels
+    (chunk_wy.diagonal_levels, counted: the test fails if they are not taken). The in-kernel softplus gate with
+    A_log = log U(1, 16) (about -6.7 a step) and l2norm over GVA; mild and strong channels (and -1000 steps) in the
+    same chunks (test cases: triton_cases.mixed_gates), also packed with lengths that are not multiples of 64
+    and an empty sequence; -1000 on every 7th step and 0 on every 5th. Lengths 130 and 200, initial states."""
+    from kimi_linear.ops.triton import chunk_wy
 
-    calls = spy_calls(monkeypatch, chunk_diag, "diagonal_block")
+    calls = spy_calls(monkeypatch, chunk_wy, "diagonal_levels")
     cu, opts, bar = None, NO_OPTIONS, tol(dtype)
     if case.startswith("softplus"):
         x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=60)
@@ -309,14 +308,11 @@ def test_strong_decay(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_diagonal_kernel_on_every_sub_block_scheme_chunk(dtype, monkeypatch):
-    """The diagonal kernel (chunk_diag.py) for every chunk of the sub-block scheme, mild channels included
-    (SAFE_EXP forced to -1): there every pair of a diagonal block has a factor that matters, so each running
-    product and column is checked, not only the pairs next to the diagonal that strong decay leaves. Must match
-    the reference as closely as the fast product does."""
-    from kimi_linear.ops.triton import chunk_diag
-
-    calls = spy_calls(monkeypatch, chunk_diag, "diagonal_block")
+def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
+    """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the sub-block
+    scheme, mild channels included (chunk_common.SAFE_EXP forced to -1): there every pair of a diagonal block has a
+    factor that matters, so each level's pairs and masks are checked, not only the pairs next to the diagonal that
+    strong decay leaves. Must match the reference as closely as the fast product does."""
     force_levels(monkeypatch)
     x = mixed_gates(make_inputs(B=1, T=130, H=1, HV=2, K=64, V=16, dtype=dtype, seed=67), seed=68)
     g = x["g"].double()
@@ -326,7 +322,6 @@ def test_diagonal_kernel_on_every_sub_block_scheme_chunk(dtype, monkeypatch):
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True,
                          NO_OPTIONS, None)
     o_ref, S_ref = reference(x, NO_OPTIONS)
-    assert calls, "the diagonal kernel was not taken"
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
 
@@ -383,8 +378,8 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     """``LaunchConfig(scores_tma=True)`` (the default): q, k and gP through the descriptors in every score path,
     the by-halves and sub-block ones included (every tile counted), two sequences of 130 tokens (the first's last
     chunk reads the second's rows through the descriptor: they must count as zero); value head 0 on the halves
-    path (about -3 a step), head 1 mixed mild / strong channels (the sub-block scheme, its diagonal blocks by
-    chunk_diag's kernel). Bit for bit the pointer loads' outputs, and the reference's at the usual bars."""
+    path (about -3 a step), head 1 mixed mild / strong channels (the sub-block scheme with its diagonal levels).
+    Bit for bit the pointer loads' outputs, and the reference's at the usual bars."""
     from kimi_linear.ops.triton import chunk_wy
 
     halves = spy_calls(monkeypatch, chunk_wy, "halves_scores")

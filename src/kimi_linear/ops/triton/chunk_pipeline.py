@@ -36,7 +36,6 @@ from .chunk_bwd import (
     chunk_kda_bwd_wy_kernel,
 )
 from .chunk_common import BC, BT
-from .chunk_diag import chunk_kda_fwd_diag_kernel
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
@@ -62,8 +61,6 @@ class LaunchConfig:
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
     keep_scores: bool = True
-    # warps of the strong-decay chunks' diagonal blocks (chunk_diag.py: [16, K] float32 tiles, CUDA cores only)
-    diag_warps: int = 2
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
@@ -346,12 +343,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-        # the diagonal blocks of the chunks the second launch left them to (strong decay), over its zeros
-        chunk_kda_fwd_diag_kernel[p.grid(BT // BC, HV)](
-            q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Aqk=Aqk, Akk=Akk, **p.varlen(), T=T, NT=p.NT_seq,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, HALVES=halves,
-            num_warps=cfg.diag_warps,
-        )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),

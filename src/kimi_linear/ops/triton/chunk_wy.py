@@ -9,10 +9,11 @@ HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) nee
 (:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
 sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
-diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) when every sub-block's gate sum is above -SAFE_EXP;
-else (strong decay, e.g. padding gates of -1000) :func:`chunk_scores` leaves them at zero and the launch of
-chunk_diag.py, after this kernel's, writes them from running products of single steps' decays on the CUDA cores.
-With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and stores) the row factors.
+diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
+is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
+a reference row r between j and i, both factors <= 1, in four batched products per matrix (one per level of 16,
+8, 4 and 2 rows, over the four sub-blocks at once: :func:`diagonal_levels`). With l2norm the paths run on raw q
+and k and :func:`finish_scores` applies (and stores) the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
 blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), stores the inverse
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
+    SAFE_EXP,
     block_of,
     chunk_coords,
     chunk_gate_terms,
@@ -37,6 +39,8 @@ from .chunk_common import (
     gate_terms,
     grid_coords,
     halves_exponents,
+    level_factor,
+    level_pairs,
     load_beta,
     load_norms,
     load_rows,
@@ -51,7 +55,6 @@ from .chunk_common import (
     sub_blocks_bounded,
     tf32_operand,
 )
-from .chunk_diag import totals_safe
 from .fastmath import fast_exp
 
 
@@ -62,6 +65,114 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
     o_t = tl.arange(0, BT)
     store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
     store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
+
+
+@triton.jit
+def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
+    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`chunk_scores` may take
+    that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
+    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
+    return totals_safe(b_t0, b_t1, b_t2, b_t3)
+
+
+@triton.jit
+def totals_safe(b_t0, b_t1, b_t2, b_t3):
+    """:func:`safe_step`'s test on the four sub-block totals of a channel step (one test for both the diagonal
+    product of :func:`chunk_scores` and :func:`diagonal_levels`, so each channel's pairs come from exactly one)."""
+    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
+
+
+@triton.jit
+def level_products(b_aq, b_ak, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                   HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+                   PREC: tl.constexpr, S: tl.constexpr):
+    """One channel step of level S of :func:`diagonal_levels`, added to its [NB, BC, BC] tiles (b_aq, b_ak): rows
+    ``q_i f_i`` (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves, one batched product per
+    16-row sub-block (f: chunk_common.level_factor, all <= 1)."""
+    NB: tl.constexpr = BT // BC
+    m_up = ((tl.arange(0, BT) % S) >= S // 2)[:, None]                    # [BT, 1] rows of upper halves
+    b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, S, BT)    # [BT, BKS], all <= 1
+    b_kf = b_k * b_f
+    b_ct = tl.trans(tl.reshape(tf32_operand(tl.where(m_up, 0.0, b_kf), PREC), [NB, BC, BKS]), 0, 2, 1)
+    b_aq = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_q * b_f, 0.0), PREC), [NB, BC, BKS]), b_ct,
+                      b_aq, PREC)                                         # [NB, BC, BC]
+    b_ak = mm_rounded(tl.reshape(tf32_operand(tl.where(m_up, b_kf, 0.0), PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
+    return b_aq, b_ak
+
+
+@triton.jit
+def level_sum(b_x2, b_x4, b_x8, b_x16, BC: tl.constexpr):
+    """The four levels' [NB, BC, BC] tiles, each kept on its own pairs (chunk_common.level_pairs), summed."""
+    o_i = tl.arange(0, BC)
+    return (tl.where(level_pairs(o_i, o_i, 2)[None, :, :], b_x2, 0.0)
+            + tl.where(level_pairs(o_i, o_i, 4)[None, :, :], b_x4, 0.0)
+            + tl.where(level_pairs(o_i, o_i, 8)[None, :, :], b_x8, 0.0)
+            + tl.where(level_pairs(o_i, o_i, 16)[None, :, :], b_x16, 0.0))
+
+
+@triton.jit
+def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
+    """[NB, BC, BC] blocks -> the [BT, BT] tile holding them on its diagonal, zero elsewhere."""
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)
+    m_e = (o_b[:, None] == o_b[None, :])[:, None, :, None]                # [NB, 1, NB, 1]
+    return tl.reshape(tl.where(m_e, b_x[:, :, None, :], 0.0), [BT, BT])
+
+
+@triton.jit
+def diagonal_levels(
+    q, k, gP, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+    PREC: tl.constexpr, STEP: tl.constexpr,
+):
+    """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
+    decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
+    above the diagonal (and on it for Akk).
+
+    Every pair j < i of a block is covered by exactly one level S = 16, 8, 4, 2 (the same S-row block, i in its
+    upper half, j in its lower half: chunk_common.level_pairs) and factored through the last row r of that lower
+    half, ``exp(gP_i - gP_j) = exp(gP_i - gP_r) exp(gP_r - gP_j)`` with j <= r < i, so both factors are <= 1
+    (chunk_common.level_factor): nothing overflows at any gate, and a factor underflows only where the exact one
+    does. Each level is one batched tensor-core product per matrix and channel step over the chunk's four 16-row
+    sub-blocks ([NB, BC, BKS] x [NB, BKS, BC]: a quarter of a [BT, BT] product's work), rows ``q_i f_i``
+    (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves; each level accumulates into tiles
+    of its own, kept on its own pairs at the end (the product also pairs rows and columns of different S-row
+    blocks: finite, every factor <= 1, and dropped there). All four levels share one pass over the channels (the
+    tiles are loaded once a step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    b_q2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_q4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_q8 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k8 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_q16 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_k16 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_d = tl.zeros([BT], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        # strong or not as :func:`chunk_scores` decides it: by its channel step (STEP channels) holding o_k. A mild
+        # step's q and k are zeroed rather than branched around: with every load of the step unconditional, they
+        # all issue at once, where a branch on the totals made each step wait for two dependent rounds of loads
+        # (H200, 16 x 2048 strong decay: scores 2.73 -> 2.61 ms, other regimes unchanged)
+        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
+        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                             # [BT, BKS]
+        b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_d += tl.sum(b_q * b_k, 1)
+        b_q2, b_k2 = level_products(b_q2, b_k2, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                    HV, K, BT, BC, BKS, PREC, 2)
+        b_q4, b_k4 = level_products(b_q4, b_k4, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                    HV, K, BT, BC, BKS, PREC, 4)
+        b_q8, b_k8 = level_products(b_q8, b_k8, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                    HV, K, BT, BC, BKS, PREC, 8)
+        b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
+                                      HV, K, BT, BC, BKS, PREC, 16)
+    b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
+    b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
+    return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
 @triton.jit
@@ -80,11 +191,12 @@ def chunk_scores(
     * diagonal blocks: ``exp(gP_i) exp(-gP_j)`` (one product), when every sub-block's gate sum is above
       -SAFE_EXP, so that ``exp(-gP_j)`` fits float32.
 
-    Otherwise (strong decay, e.g. padding gates of -1000) the diagonal blocks stay zero here and
-    chunk_diag.chunk_kda_fwd_diag_kernel, launched next, writes them. ``exp(gP)`` and ``exp(tot - gP)`` are the
-    only full-tile exponentials of the first two: the links between sub-blocks are per-channel vectors. Each
-    product spans the whole chunk (operands are zero outside their rows, the diagonal product is masked), so all
-    are [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below
+    The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`) are
+    :func:`diagonal_levels`' four products per matrix through reference rows, computed first (when the chunk has
+    any such step) as the accumulators' starting values. ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile
+    exponentials of the first two: the links between sub-blocks are per-channel vectors. Each product spans the
+    whole chunk (operands are zero outside their rows, the diagonal product is masked), so all are
+    [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below
     the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
@@ -93,8 +205,11 @@ def chunk_scores(
     m_diag = (s[None, :] == s_r) & (o_t[:, None] >= o_t[None, :])          # [BT, BT] diagonal blocks, j <= i
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    b_s0, b_s1, b_s2, b_s3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
-    diagonal = totals_safe(b_s0, b_s1, b_s2, b_s3)        # else chunk_diag's kernel writes the diagonal blocks
+    if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
+        # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
+        # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
+        # or not is still decided per BKS-channel step, as the diagonal product below decides it.
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -122,7 +237,7 @@ def chunk_scores(
         b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
         b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
         b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
-        if diagonal:
+        if totals_safe(b_t0, b_t1, b_t2, b_t3):
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
             b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
