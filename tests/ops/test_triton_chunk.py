@@ -9,15 +9,12 @@ interpreter the kernels round bf16 stores to nearest even and drop tf32's low ma
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+pytest.importorskip("triton")
 
 from kimi_linear.ops.gate import KernelOptions  # noqa: E402
 from kimi_linear.ops.triton import chunk_kda  # noqa: E402
 from kimi_linear.ops.triton.chunk import chunk_kda_fwd  # noqa: E402
 from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig  # noqa: E402
-from kimi_linear.ops.triton.chunk_wy import chunk_store  # noqa: E402
-from kimi_linear.ops.triton.tma import tensor_descriptor_class  # noqa: E402
 
 from .kda_cases import make_inputs, rel_err  # noqa: E402
 from .triton_cases import (  # noqa: E402, F401  (poison_empty: autouse fixture)
@@ -405,60 +402,3 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     assert tiles and all(tiles)                                  # every path's tiles came by descriptor
     assert torch.equal(o, o_ptr) and torch.equal(S, S_ptr)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_wy_factor_stores_through_descriptors(dtype, monkeypatch):
-    """``LaunchConfig(wy_store_tma=True)`` (the default): the WY kernel writes w, qg, kg and u of whole chunks
-    through tensor descriptors and a chunk that ends inside its tile by pointers (the tile's rows past the sequence
-    are the next sequence's): varlen with a sequence ending mid-chunk before another one, and a multiple-of-64 one.
-    Every stored factor and the output bit for bit the pointer stores', and both kinds of store used (bf16: float32
-    intermediates are stored by pointers, checked last)."""
-    from kimi_linear.ops.triton import chunk_wy
-    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
-
-    kinds = []                                  # (descriptor store asked, chunk whole), store by store
-    real_store = chunk_wy.chunk_store
-    monkeypatch.setattr(chunk_wy, "chunk_store",
-                        lambda *a: kinds.append((bool(a[-1]), int(a[4]) + 64 <= int(a[5]))) or real_store(*a))
-    cu = torch.tensor([0, 100, 228, 300])
-    x = make_inputs(B=1, T=300, H=1, HV=2, K=64, V=32, N=3, dtype=dtype, seed=90)
-    opts = KernelOptions(use_qk_l2norm_in_kernel=True)
-    pieces, outs = [], []
-    for store_tma in (True, False):
-        cfg = LaunchConfig(wy_store_tma=store_tma)
-        p = Problem(x["q"], x["v"], cu, opts, cfg)
-        pieces.append(forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False))
-        outs.append(chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True,
-                                  opts, cu, cfg=cfg))
-    tma = [whole for asked, whole in kinds[: len(kinds) // 2] if asked]
-    assert any(tma) and not all(tma)            # whole chunks by descriptor, a chunk ending mid-tile by pointers
-    assert not any(asked for asked, _ in kinds[len(kinds) // 2:])
-    for name in ("w", "qg", "kg", "u"):
-        assert torch.equal(getattr(pieces[0], name), getattr(pieces[1], name)), name
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
-    assert rel_err(outs[0][0], o_ref) < tol(dtype) and rel_err(outs[0][1], S_ref) < tol(dtype)
-    kinds.clear()
-    f32 = {name: t.float() for name, t in x.items()}
-    chunk_kda_fwd(*(f32[n] for n in ("q", "k", "v", "g", "beta")), 64 ** -0.5, f32["initial_state"], True, opts, cu)
-    assert kinds and not any(asked for asked, _ in kinds)
-
-
-@triton.jit
-def store_chunk(p, d_p, x, t0, T_n):
-    """chunk_wy.chunk_store of a [64, 32] tile from ``x`` into rows t0 .. of a [*, 1, 32] tensor, descriptors on."""
-    b_x = tl.load(x + tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :])
-    chunk_store(p, d_p, b_x, 0, t0, T_n, 0, 1, 32, 0, 32, 64, True)
-
-
-def test_descriptor_store_leaves_rows_past_the_sequence():
-    """chunk_wy.chunk_store with descriptors: a whole chunk is written whole, a chunk ending at row 100 writes rows
-    64 .. 99 only (rows 100 .. 127 of its tile belong to the next sequence, written by another program)."""
-    dst = torch.full((192, 1, 32), float("nan"))
-    d_dst = tensor_descriptor_class().from_tensor(dst.view(192, 32), [64, 32])
-    x = torch.randn(64, 32)
-    store_chunk[(1,)](dst, d_dst, x, 0, 100)                 # rows 0 .. 63: a whole chunk
-    store_chunk[(1,)](dst, d_dst, x, 64, 100)                # rows 64 .. 99 of the chunk at 64
-    assert torch.equal(dst[:64, 0], x) and torch.equal(dst[64:100, 0], x[:36])
-    assert dst[100:, 0].isnan().all()

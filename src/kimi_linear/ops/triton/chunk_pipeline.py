@@ -69,10 +69,6 @@ class LaunchConfig:
     # pointer loads, which it does not pipeline). H200: WY kernel 1.77 -> 1.64 ms, the backward's recompute 1.12 ->
     # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
     wy_tma: bool = True
-    # The WY factors' stores (w, qg, kg, u) through descriptors too (chunk_wy.chunk_store), for whole chunks: the
-    # tensor memory accelerator writes each tile from shared memory instead of the program's own st.global
-    # instructions. Not yet timed on a GPU
-    wy_store_tma: bool = True
     # The same for the scores' q, k and gP tiles in all three paths (chunk_wy.separable_scores, halves_scores,
     # chunk_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
     # scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound): separable scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65
@@ -283,10 +279,10 @@ class Problem:
 
 
 def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int) -> dict:
-    """Tensor-descriptor arguments of a kernel (chunk_wy.chunk_tile, chunk_store): TMA descriptors of the
-    ``tensors`` ([B, T, heads, width] each, named ``d_*``; v's and u's widths step by bv, the others' by bks) over
-    their [rows, heads x width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible
-    by the steps, 16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
+    """Tensor-descriptor arguments of a kernel (chunk_wy.chunk_tile): TMA descriptors of the ``tensors`` ([B, T,
+    heads, width] each, named ``d_*``; v's width steps by bv, the others' by bks) over their [rows, heads x
+    width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible by the steps,
+    16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
     usable = (wanted and tma_supported(p.device) and p.K % bks == 0 and p.V % bv == 0
               and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
                       for x in tensors.values()))
@@ -297,7 +293,7 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
     def desc(x, step):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[2] * x.shape[3]), [BT, step])
 
-    return dict({n: desc(x, bv if n in ("d_v", "d_u") else bks) for n, x in tensors.items()}, TMA=True)
+    return dict({n: desc(x, bv if n == "d_v" else bks) for n, x in tensors.items()}, TMA=True)
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
@@ -333,10 +329,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
               NEG_EIGVAL=opts.allow_neg_eigval)
     wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
-    # 16-bit intermediates only: with float32 ones the offline sm_90 build spills 1,544 B against 976 by pointers
-    stores = tile_descriptors(p, cfg.wy_store_tma and p.sdt != torch.float32, dict(d_w=w, d_qg=qg, d_kg=kg, d_u=u),
-                              wy["BKS"], wy["BV"])
-    wy.update(stores, STORE_TMA=stores.pop("TMA"))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
