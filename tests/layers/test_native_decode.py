@@ -208,7 +208,7 @@ def test_large_row_counts_keep_the_pytorch_paths(ran, monkeypatch):
 
 def test_kda_decode_rejects_bad_rows_and_shapes():
     """Rows outside the pool raise before anything is written; a mis-shaped argument is named."""
-    from kimi_linear.ops.native.kda import kda_decode
+    from kimi_linear.ops import kda_decode
 
     gen = torch.Generator().manual_seed(16)
     H, D, W = 2, 8, 4

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
-from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
-from kimi_linear.ops.native.kda import kda_decode
+from kimi_linear.ops.decode import kda_decode
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
@@ -219,13 +218,12 @@ class KimiDeltaAttention(nn.Module):
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         return self._derived("conv", ws, dtype, lambda ws: torch.cat(ws, 0)[:, 0].t())
 
-    def _decode_native(self, qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta_raw: torch.Tensor,
-                       state: KDAState | PooledKDAState) -> torch.Tensor | None:
-        """A decode token's conv, gates, memory update and output norm as one CPU kernel call
-        (:func:`kimi_linear.ops.native.kda.kda_decode`), updating ``state``; o [B, 1, H*d] before ``o_proj``, or
-        None where the kernel does not apply (CUDA, 16-bit, autograd, no C compiler): then the PyTorch ops run."""
-        if qkv.device.type != "cpu" or triton_op("short_conv", qkv) is not None:   # (CPU under the interpreter)
-            return None
+    def _decode_fused(self, qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta_raw: torch.Tensor,
+                      state: KDAState | PooledKDAState) -> torch.Tensor | None:
+        """A decode token's conv, gates, memory update and output norm as one kernel call
+        (:func:`kimi_linear.ops.kda_decode`: C on the CPU, Triton on CUDA pools), updating ``state``; o [B, 1, H*d]
+        before ``o_proj``, or None where no kernel applies (autograd; CPU 16-bit or without a C compiler; CUDA
+        without a pool): then the PyTorch ops run."""
         pooled = isinstance(state, PooledKDAState)
         done = kda_decode(
             qkv, g, gate, beta_raw, self._conv_weight(qkv.dtype),
@@ -275,7 +273,7 @@ class KimiDeltaAttention(nn.Module):
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
         g, gate, gate_args = self.gates(f_a, g_a)
         if T == 1 and isinstance(state, (KDAState, PooledKDAState)) and gate_args.get("use_gate_in_kernel"):
-            o = self._decode_native(qkv, g, gate, beta_raw, state)
+            o = self._decode_fused(qkv, g, gate, beta_raw, state)
             if o is not None:
                 return self.o_proj(o)
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
