@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+import kimi_linear.layers.kda as kda_module
 import kimi_linear.ops.decode as decode_module
 from kimi_linear.layers.kda import KDAState, PooledKDAState
 
@@ -57,9 +58,12 @@ def pooled_run(m, x, conv_pool, rec_pool, index, pad=0):
     ("init", None, False), ("strong", None, False), ("saturated", None, False), ("slow", None, False),
     ("init", -5.0, True), ("saturated", -5.0, False),
 ])
-@pytest.mark.parametrize("B,pad", [(1, 0), (3, 2)])
-def test_fused_decode_matches_float64(triton_runs, regime, lower_bound, full_rank, B, pad):
+@pytest.mark.parametrize("B,pad,fold", [(1, 0, True), (3, 2, True), (3, 2, False)])
+def test_fused_decode_matches_float64(triton_runs, monkeypatch, regime, lower_bound, full_rank, B, pad, fold):
+    """fold: the kernel up-projects the low-rank gates itself (small batches); else it is given them."""
     on, calls = triton_runs
+    if not fold:
+        monkeypatch.setattr(kda_module, "FOLD_GATE_ROWS", 0)
     m = kda_layer(regime, lower_bound, full_rank)
     ref = copy.deepcopy(m).double()
     gen = torch.Generator().manual_seed(5)
@@ -79,6 +83,26 @@ def test_fused_decode_matches_float64(triton_runs, regime, lower_bound, full_ran
     assert rel_err(got_conv[index], state64.conv) < 1e-6
     others = [s for s in range(slots - 1) if s not in index.tolist()]   # the last slot: the padding rows' scratch
     assert torch.equal(got_rec[others], rec_pool[others]) and torch.equal(got_conv[others], conv_pool[others])
+
+
+def test_fused_decode_folds_wide_gates(triton_runs):
+    """Heads of 64 channels (gate rank 64: two of the kernel's 32-column steps per up-projection) and a carried
+    pool state, folded gates, against the float64 layer."""
+    on, calls = triton_runs
+    m = kda_layer("init", head_dim=64)
+    ref = copy.deepcopy(m).double()
+    gen = torch.Generator().manual_seed(8)
+    conv_pool, rec_pool = torch.randn(3, 3, 384, generator=gen), torch.randn(3, 2, 64, 64, generator=gen) * 0.1
+    index = torch.tensor([1])
+    x = torch.randn(1, 3, 48, generator=gen)
+    state64 = KDAState(conv_pool[index].double(), rec_pool[index].clone())
+    with torch.no_grad():
+        want = torch.cat([ref(x[:, t : t + 1].double(), state64) for t in range(3)], 1)
+    on()
+    got_rec = rec_pool.clone()
+    got = pooled_run(m, x, conv_pool.clone(), got_rec, index)
+    assert calls == [1] * 3
+    assert rel_err(got, want) < 2e-5 and rel_err(got_rec[index], state64.recurrent) < 2e-5
 
 
 def test_fused_decode_bf16(triton_runs):
@@ -135,12 +159,12 @@ import os, re, subprocess, tempfile
 from kimi_linear.ops.triton.decode import kda_decode_kernel
 
 sig = dict(qkv="*bf16", g="*bf16", gate="*bf16", beta="*bf16", conv_w="*bf16", window="*bf16", memory="*fp32",
-           rows="*i64", A_log="*fp32", dt_bias="*fp32", norm_w="*fp32", o="*bf16", s_x="i64", s_g="i64", s_o="i64",
-           s_b="i64", scale="fp32", lower_bound="fp32", eps="fp32")
+           rows="*i64", A_log="*fp32", dt_bias="*fp32", norm_w="*fp32", w_f="*bf16", w_g="*bf16", o="*bf16",
+           s_x="i64", s_g="i64", s_o="i64", s_b="i64", scale="fp32", lower_bound="fp32", eps="fp32")
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-for lb in (False, True):
-    ck = compile(kda_decode_kernel, sig, dict(H=32, D=128, W=4, WP=4, BD=128, USE_LOWER_BOUND=lb, PDL=True),
-                 num_warps=8)
+for lb, fold in ((False, False), (True, False), (False, True)):
+    ck = compile(kda_decode_kernel, sig, dict(H=32, D=128, W=4, WP=4, BD=128, R=128, BR=32, FOLD_F=fold,
+                                              FOLD_G=fold, USE_LOWER_BOUND=lb, PDL=True), num_warps=8)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
@@ -155,7 +179,7 @@ print("BUILT")
 
 def test_kernel_builds_for_sm90_without_spills(tmp_path):
     """The kernel as the 48B shape launches it (32 heads of 128, a [128, 128] float32 memory in registers over 8
-    warps), built for sm_90: it compiles, and nothing spills."""
+    warps; gates given or up-projected from rank 128), built for sm_90: it compiles, and nothing spills."""
     from ..ops.sm90 import build_sm90
 
     build_sm90(BUILD_SM90, tmp_path)

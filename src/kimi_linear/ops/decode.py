@@ -16,13 +16,18 @@ from .native.kda import kda_decode_f32
 
 def check_kda_decode_inputs(qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor,
                             conv_weight: torch.Tensor, window: torch.Tensor, memory: torch.Tensor,
-                            rows: torch.Tensor | None) -> None:
-    """Shapes of :func:`kda_decode`'s tensors (H and D from g); a ValueError names the one that is off."""
-    B, H, D = g.shape[0], g.shape[-2], g.shape[-1]
-    W, C, S = conv_weight.shape[0], 3 * H * D, window.shape[0]
-    expected = {"qkv": (qkv, (B, 1, C)), "g": (g, (B, 1, H, D)), "gate": (gate, (B, 1, H, D)),
-                "beta": (beta, (B, 1, H)), "conv_weight": (conv_weight, (W, C)), "window": (window, (S, W - 1, C)),
-                "memory": (memory, (S, H, D, D)), "rows": (rows, (B,))}
+                            rows: torch.Tensor | None, gate_weights: tuple | None = None) -> None:
+    """Shapes of :func:`kda_decode`'s tensors (H and D from memory); a ValueError names the one that is off."""
+    if memory.dim() != 4 or memory.shape[2] != memory.shape[3]:
+        raise ValueError(f"kda_decode: `memory` must be [S, H, D, D], got {list(memory.shape)}")
+    B, (S, H, D) = qkv.shape[0], memory.shape[:3]
+    W, C = conv_weight.shape[0], 3 * H * D
+    w_f, w_g = gate_weights if gate_weights is not None else (None, None)
+    R = w_f.shape[-1] if w_f is not None else 0
+    expected = {"qkv": (qkv, (B, 1, C)), "g": (g, (B, 1, R) if w_f is not None else (B, 1, H, D)),
+                "gate": (gate, (B, 1, R) if w_g is not None else (B, 1, H, D)), "beta": (beta, (B, 1, H)),
+                "conv_weight": (conv_weight, (W, C)), "window": (window, (S, W - 1, C)), "rows": (rows, (B,)),
+                "gate_weights[0]": (w_f, (H * D, R)), "gate_weights[1]": (w_g, (H * D, R))}
     for name, (t, shape) in expected.items():
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"kda_decode: `{name}` must be {list(shape)}, got {list(t.shape)}")
@@ -34,7 +39,7 @@ def kda_decode(
     qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
     window: torch.Tensor, memory: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     lower_bound: float | None, norm_weight: torch.Tensor, norm_eps: float, scale: float,
-    rows: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None, gate_weights: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """One token of a KDA layer for B sequences after its input projections, or None where no kernel applies
     (gradients wanted; on the CPU: not float32, or no C compiler; on CUDA: without ``rows``, or a pool that is not
@@ -50,17 +55,23 @@ def kda_decode(
     not modified). rows [B] int64: window and memory are serving pools, updated in place in those rows (on the
     CPU a row outside the pool raises an IndexError before anything is written; CUDA rows are not checked: the
     pool's owner made them, and a check would cost a synchronisation every step).
+    gate_weights: (f_b [H*D, R], g_b [H*D, R] or None): g (and gate, with g_b) are then the low-rank [B, 1, R]
+    inputs of the gates' up-projections, which the kernel applies itself (CUDA pools only; None elsewhere).
     Returns (o [B, 1, H*D]: RMSNorm(o) * norm_weight * sigmoid(gate) per head, window, memory).
     """
-    check_kda_decode_inputs(qkv, g, gate, beta, conv_weight, window, memory, rows)
+    check_kda_decode_inputs(qkv, g, gate, beta, conv_weight, window, memory, rows, gate_weights)
     if qkv.device.type == "cpu" and triton_op("kda_decode", qkv) is None:
+        if gate_weights is not None:
+            return None
         return kda_decode_f32(qkv, g, gate, beta, conv_weight, window, memory, A_log, dt_bias, lower_bound,
                               norm_weight, norm_eps, scale, rows)
+    weights = [w for w in (gate_weights or ()) if w is not None]
     fast = for_inference(triton_op("kda_decode", qkv), qkv, g, gate, beta, conv_weight, window, A_log, dt_bias,
-                         norm_weight)
+                         norm_weight, *weights)
+    H, D = memory.shape[1], memory.shape[2]
     if (fast is None or rows is None or memory.dtype != torch.float32 or not window.is_contiguous()
-            or not memory.is_contiguous() or rows.dtype != torch.int64 or A_log.numel() != g.shape[-2]
-            or dt_bias.numel() != g.shape[-2] * g.shape[-1]):
+            or not memory.is_contiguous() or rows.dtype != torch.int64 or A_log.numel() != H
+            or dt_bias.numel() != H * D):
         return None
     return fast(qkv, g, gate, beta, conv_weight, window, memory, A_log, dt_bias, lower_bound, norm_weight,
-                norm_eps, scale, rows), window, memory
+                norm_eps, scale, rows, gate_weights), window, memory
