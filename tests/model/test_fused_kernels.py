@@ -1,8 +1,8 @@
 """The whole model with the small fused kernels a GPU runs (RMSNorm, residual add + RMSNorm, MLA's normed
-cache-entry write, the KDA layer's fused decode token (conv, memory step, gated norm), the decode step's
-paged-pool rows, the MoE router's logits; Triton's interpreter here) gives the PyTorch path's tokens and logits
-through ``generate``'s fixed-shape decode path: every RMSNorm user (decoder layers, final norm, MLA's q / kv norms,
-K3's latent MoE norm and depth mixes), and training keeps the PyTorch path (gradients unchanged, no kernel call)."""
+cache-entry write, the in-place decode short conv, the decode step's paged-pool rows, the MoE router's logits;
+Triton's interpreter here) gives the PyTorch path's tokens and logits through ``generate``'s fixed-shape decode
+path: every RMSNorm user (decoder layers, final norm, MLA's q / kv norms, K3's latent MoE norm and depth mixes),
+and training keeps the PyTorch path (gradients unchanged, no kernel call)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import kimi_linear.ops.conv as conv_op
-import kimi_linear.ops.decode as decode_op
 import kimi_linear.ops.moe as moe_op
 import kimi_linear.ops.paged as paged_op
 import kimi_linear.ops.rms_norm as rms_op
@@ -21,7 +20,7 @@ from .helpers import make_config, randomize, rel_err, tokens
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
-    """Dispatch these ops to their Triton kernels for CPU tensors (on a GPU the dispatch is by device); the
+    """Dispatch the three ops to their Triton kernels for CPU tensors (on a GPU the dispatch is by device); the
     list records which ran."""
     pytest.importorskip("triton")
     from kimi_linear.ops import triton as tri
@@ -34,7 +33,6 @@ def kernels_on_cpu(monkeypatch):
 
     monkeypatch.setattr(rms_op, "triton_op", pick)
     monkeypatch.setattr(conv_op, "triton_op", lambda name, x: pick(name, x) if name == "short_conv_decode" else None)
-    monkeypatch.setattr(decode_op, "triton_op", lambda name, x: pick(name, x) if name == "kda_decode" else None)
     monkeypatch.setattr(paged_op, "triton_op", pick)
     monkeypatch.setattr(moe_op, "triton_op", lambda name, x: pick(name, x) if name == "router_logits" else None)
     return calls
@@ -64,8 +62,7 @@ def test_generate_with_fused_kernels_equals_torch_path(k3, request, monkeypatch)
     calls = request.getfixturevalue("kernels_on_cpu")
     got = run(m)
     # K3's block AttnRes replaces the residual adds by depth mixes: no add + norm there
-    # (the KDA layers' decode tokens: one fused kernel each, which does the short conv on the pool itself)
-    assert set(calls) == {"rms_norm", "rms_norm_write", "kda_decode", "paged_decode_rows",
+    assert set(calls) == {"rms_norm", "rms_norm_write", "short_conv_decode", "paged_decode_rows",
                           "router_logits"} | (set() if k3 else {"add_rms_norm"})
     assert torch.equal(got[0], ref[0])
     assert rel_err(got[1], ref[1]) < 1e-5

@@ -10,17 +10,12 @@ from torch import nn
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
 from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
-from kimi_linear.ops.decode import kda_decode
+from kimi_linear.ops.native.kda import kda_decode
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
 from .norm import GatedRMSNorm
 from .packing import PackedLinears
-
-# Pooled decode steps of at most this many rows give the fused kernel the gates' low-rank inputs and it applies the
-# up-projections per (row, head) itself (one [D, R] slice of each weight per program, re-read from L2 by every
-# row); larger batches run them as one batched product first.
-FOLD_GATE_ROWS = 16
 
 
 def stacked_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -224,28 +219,19 @@ class KimiDeltaAttention(nn.Module):
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         return self._derived("conv", ws, dtype, lambda ws: torch.cat(ws, 0)[:, 0].t())
 
-    def _folds_gates(self, qkv: torch.Tensor) -> bool:
-        """Whether a pooled decode token may hand the gates' low-rank inputs to the fused Triton kernel, which
-        up-projects them itself: this class's own gates (a subclass may have others), the low-rank output gate,
-        no autograd, and a tensor the Triton kernels take (CUDA, or the interpreter)."""
-        return (type(self).gates is KimiDeltaAttention.gates and not self.full_rank_gate
-                and not (torch.is_grad_enabled() and self.f_b_proj.weight.requires_grad)
-                and triton_op("kda_decode", qkv) is not None)
-
-    def _decode_fused(self, qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta_raw: torch.Tensor,
-                      state: KDAState | PooledKDAState, fold_gates: bool = False) -> torch.Tensor | None:
-        """A decode token's conv, gates, memory update and output norm as one kernel call
-        (:func:`kimi_linear.ops.kda_decode`: C on the CPU, Triton on CUDA pools), updating ``state``; o [B, 1, H*d]
-        before ``o_proj``, or None where no kernel applies (autograd; CPU 16-bit or without a C compiler; CUDA
-        without a pool): then the PyTorch ops run. fold_gates: g and gate are the gates' low-rank inputs
-        ``f_a``, ``g_a``, up-projected by the kernel."""
+    def _decode_native(self, qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta_raw: torch.Tensor,
+                       state: KDAState | PooledKDAState) -> torch.Tensor | None:
+        """A decode token's conv, gates, memory update and output norm as one CPU kernel call
+        (:func:`kimi_linear.ops.native.kda.kda_decode`), updating ``state``; o [B, 1, H*d] before ``o_proj``, or
+        None where the kernel does not apply (CUDA, 16-bit, autograd, no C compiler): then the PyTorch ops run."""
+        if qkv.device.type != "cpu" or triton_op("short_conv", qkv) is not None:   # (CPU under the interpreter)
+            return None
         pooled = isinstance(state, PooledKDAState)
         done = kda_decode(
             qkv, g, gate, beta_raw, self._conv_weight(qkv.dtype),
             state.conv_pool if pooled else state.conv, state.rec_pool if pooled else state.recurrent,
             self.A_log.view(-1), self.dt_bias, self.gate_lower_bound, self.o_norm.weight, self.o_norm.eps,
             self.head_dim**-0.5, rows=state.index if pooled else None,
-            gate_weights=(self.f_b_proj.weight, self.g_b_proj.weight) if fold_gates else None,
         )
         if done is None:
             return None
@@ -287,13 +273,9 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
-        if T == 1 and isinstance(state, PooledKDAState) and B <= FOLD_GATE_ROWS and self._folds_gates(qkv):
-            o = self._decode_fused(qkv, f_a, g_a, beta_raw, state, fold_gates=True)
-            if o is not None:
-                return self.o_proj(o)
         g, gate, gate_args = self.gates(f_a, g_a)
         if T == 1 and isinstance(state, (KDAState, PooledKDAState)) and gate_args.get("use_gate_in_kernel"):
-            o = self._decode_fused(qkv, g, gate, beta_raw, state)
+            o = self._decode_native(qkv, g, gate, beta_raw, state)
             if o is not None:
                 return self.o_proj(o)
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None

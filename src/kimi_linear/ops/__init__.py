@@ -5,7 +5,6 @@ residual stream's norms, a decode step's pool rows and its greedy tokens)."""
 from .checks import KDAShape, check_kda_inputs
 from .chunk import CHUNK_SIZE, chunk_gated_delta_rule, chunk_kda
 from .conv import short_conv
-from .decode import kda_decode
 from .gate import fused_kda_gate, l2norm
 from .greedy import logits_and_greedy
 from .mla_decode import paged_mla_decode
@@ -29,7 +28,6 @@ __all__ = [
     "fused_kda_gate",
     "fused_moe",
     "fused_recurrent_kda",
-    "kda_decode",
     "gated_rms_norm",
     "l2norm",
     "logits_and_greedy",

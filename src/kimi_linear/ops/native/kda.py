@@ -13,21 +13,38 @@ def _rows_ok(t: torch.Tensor, D: int = 1) -> bool:
     return t.stride(-1) == 1 and (t.dim() < 4 or t.stride(-2) == D)
 
 
-def kda_decode_f32(
+def kda_decode(
     qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
     window: torch.Tensor, memory: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     lower_bound: float | None, norm_weight: torch.Tensor, norm_eps: float, scale: float,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """:func:`kimi_linear.ops.kda_decode` on the CPU (shapes checked there), or None where the C kernel does not
-    apply: not float32, gradients wanted, no C compiler, or an unsupported layout."""
+    """One token of a KDA layer for B sequences after its input projections, or None where the kernels do not
+    apply (then the caller runs its PyTorch ops): not CPU float32, gradients wanted, or an unsupported layout.
+
+    qkv [B, 1, 3*H*D] projected q|k|v; g [B, 1, H, D] the raw forget gate; gate [B, 1, H, D] the output gate's
+    pre-activation; beta [B, 1, H] raw; conv_weight [W, 3*H*D]; window [S, W-1, 3*H*D] and memory [S, H, D, D]
+    the conv inputs and recurrent memory; A_log [H], dt_bias [H*D]; norm_weight [D].
+
+    rows None: S == B, the state of sequence b is row b, and new state tensors are returned (the given ones are
+    not modified). rows [B] int64: window and memory are serving pools, updated in place in those rows.
+    Returns (o [B, 1, H*D]: RMSNorm(o) * norm_weight * sigmoid(gate) per head, new window, new memory).
+    """
     lib = library()
     if lib is None:
         return None
     if not cpu_float32_inference(qkv, g, gate, beta, conv_weight, window, memory, A_log, dt_bias, norm_weight):
         return None
     B, H, D = g.shape[0], g.shape[-2], g.shape[-1]
-    W, S = conv_weight.shape[0], window.shape[0]
+    W, C, S = conv_weight.shape[0], 3 * H * D, window.shape[0]
+    expected = {"qkv": (qkv, (B, 1, C)), "g": (g, (B, 1, H, D)), "gate": (gate, (B, 1, H, D)),
+                "beta": (beta, (B, 1, H)), "conv_weight": (conv_weight, (W, C)), "window": (window, (S, W - 1, C)),
+                "memory": (memory, (S, H, D, D)), "rows": (rows, (B,))}
+    for name, (t, shape) in expected.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"kda_decode: `{name}` must be {list(shape)}, got {list(t.shape)}")
+    if rows is None and S != B:
+        raise ValueError(f"kda_decode: without `rows` the states hold one row per sequence ({B}), got {S}")
     if not (_rows_ok(qkv) and _rows_ok(beta) and _rows_ok(g, D) and _rows_ok(gate, D) and W >= 2
             and conv_weight.is_contiguous() and A_log.numel() == H and dt_bias.numel() == H * D
             and A_log.is_contiguous() and dt_bias.is_contiguous() and norm_weight.is_contiguous()):

@@ -1,7 +1,6 @@
-"""Triton kernels on CUDA: KDA (chunked and recurrent), its short convolution (and its in-place decode step),
-gated output norm and a decode token of the layer between its projections in one kernel, the residual stream's
-RMSNorm (and residual add), the paged MLA decode attention (and its per-head products), the fused MoE and a decode
-step's float32 logits with their greedy tokens.
+"""Triton kernels on CUDA: KDA (chunked and recurrent), its short convolution (and its in-place decode step) and
+gated output norm, the residual stream's RMSNorm (and residual add), the paged MLA decode attention (and its
+per-head products), the fused MoE and a decode step's float32 logits with their greedy tokens.
 :mod:`kimi_linear.ops.backend` dispatches CUDA tensors to what this module exports; dropping a name here sends its
 callers to the PyTorch path.
 
@@ -12,7 +11,6 @@ moe_gpu.py, fused_small_gpu.py; BENCHMARKS.md).
 
 from .chunk import chunk_kda
 from .conv import short_conv, short_conv_decode
-from .decode import kda_decode
 from .greedy import logits_and_greedy
 from .mla_decode import paged_mla_decode
 from .mla_heads import absorb_query, expand_values
@@ -24,6 +22,6 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_write
 
 __all__ = [
     "absorb_query", "add_rms_norm", "chunk_kda", "expand_values", "fused_moe", "fused_recurrent_kda",
-    "gated_rms_norm", "kda_decode", "logits_and_greedy", "paged_decode_rows", "paged_mla_decode", "rms_norm",
-    "rms_norm_write", "router_logits", "short_conv", "short_conv_decode", "sigmoid_topk",
+    "gated_rms_norm", "logits_and_greedy", "paged_decode_rows", "paged_mla_decode", "rms_norm", "rms_norm_write",
+    "router_logits", "short_conv", "short_conv_decode", "sigmoid_topk",
 ]

@@ -115,30 +115,6 @@ def short_conv_bwd_kernel(
 
 
 @triton.jit
-def window_read(p_win, p_x, w, o_c, C, W: tl.constexpr, WP: tl.constexpr):
-    """One token's convolution at channels o_c ([BC]) from its window: ``full = [window; x]`` ([WP, BC] float32, W
-    rows used) and ``y = silu(sum_j w_j full_j)`` ([BC] float32). ``p_win``: the window's rows ([W-1, C], rows C
-    apart), ``p_x``: the token's row, ``w``: the taps [W, C]."""
-    m_c = (o_c < C)[None, :]
-    r = tl.arange(0, WP)[:, None]                                          # [WP, 1] rows of full
-    b_full = tl.load(p_win + r * C + o_c[None, :], mask=(r < W - 1) & m_c, other=0.0).to(tl.float32)   # [WP, BC]
-    b_x = tl.load(p_x + o_c, mask=o_c < C, other=0.0).to(tl.float32)                                  # [BC]
-    b_full = tl.where(r == W - 1, b_x[None, :], b_full)
-    b_w = tl.load(w + r * C + o_c[None, :], mask=(r < W) & m_c, other=0.0).to(tl.float32)
-    b_z = tl.sum(b_full * b_w, 0)                                          # [BC]
-    return b_full, b_z * tl.sigmoid(b_z)
-
-
-@triton.jit
-def window_write(p_win, b_full, o_c, C, W: tl.constexpr, WP: tl.constexpr):
-    """The window after the token: ``full[1:]`` into the rows that :func:`window_read` read. The caller puts a
-    barrier between the two: the shifted rows live in other threads, whose reads must be done first."""
-    r = tl.arange(0, WP)[:, None]
-    tl.store(p_win + (r - 1) * C + o_c[None, :], cast(b_full, p_win.dtype.element_ty),
-             mask=(r >= 1) & (r < W) & (o_c < C)[None, :])
-
-
-@triton.jit
 def short_conv_decode_kernel(
     x, w, pool, index,                # [B, C] (row stride sx), [W, C], [slots, W-1, C] (slot stride sp), [B] int64
     y,                                # out: [B, C] contiguous, x's dtype
@@ -147,15 +123,22 @@ def short_conv_decode_kernel(
     PDL: tl.constexpr,
 ):
     """One token of each row: ``full = [pool[index[b]]; x_b]`` (W rows), ``y_b = silu(sum_j w_j full_j)``, and
-    pool row ``index[b]`` becomes ``full[1:]``. A program owns (row, channel block)."""
+    pool row ``index[b]`` becomes ``full[1:]``. A program owns (row, channel block): it reads the whole window,
+    then (after a barrier, because the shifted rows live in other threads) writes it back shifted by one."""
     pdl_entry(PDL)
     i_b, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
-    p_win = pool + tl.load(index + i_b).to(tl.int64) * sp                  # the row's window
-    b_full, b_y = window_read(p_win, x + i_b * sx, w, o_c, C, W, WP)
-    tl.store(y + i_b * C + o_c, cast(b_y, y.dtype.element_ty), mask=o_c < C)
+    m_c = (o_c < C)[None, :]
+    r = tl.arange(0, WP)[:, None]                                          # [WP, 1] rows of full
+    p_win = pool + tl.load(index + i_b).to(tl.int64) * sp + o_c[None, :]   # the row's window, [.., BC]
+    b_full = tl.load(p_win + r * C, mask=(r < W - 1) & m_c, other=0.0).to(tl.float32)          # [WP, BC]
+    b_x = tl.load(x + i_b * sx + o_c, mask=o_c < C, other=0.0).to(tl.float32)                  # [BC]
+    b_full = tl.where(r == W - 1, b_x[None, :], b_full)
+    b_w = tl.load(w + r * C + o_c[None, :], mask=(r < W) & m_c, other=0.0).to(tl.float32)
+    b_z = tl.sum(b_full * b_w, 0)                                          # [BC]
+    tl.store(y + i_b * C + o_c, cast(b_z * tl.sigmoid(b_z), y.dtype.element_ty), mask=o_c < C)
     tl.debug_barrier()                     # every thread's window read is done before any row is overwritten
-    window_write(p_win, b_full, o_c, C, W, WP)
+    tl.store(p_win + (r - 1) * C, cast(b_full, pool.dtype.element_ty), mask=(r >= 1) & (r < W) & m_c)
 
 
 # [32, 64] tiles: the backward holds about five float32 tiles at once; with 128 channels it spilled (offline sm_90
