@@ -247,8 +247,10 @@ class KimiDeltaAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D].
+        """x: [B, T, D] -> [B, T, D] (``project=False``: the input of o_proj, [B, T, H d], for a caller that folds
+        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`).
 
         cu_seqlens: [N+1] offsets of documents packed into one row (B == 1, no state): neither the conv window nor
             the recurrent memory crosses a document boundary.
@@ -277,7 +279,7 @@ class KimiDeltaAttention(nn.Module):
         if T == 1 and isinstance(state, (KDAState, PooledKDAState)) and gate_args.get("use_gate_in_kernel"):
             o = self._decode_native(qkv, g, gate, beta_raw, state)
             if o is not None:
-                return self.o_proj(o)
+                return self.o_proj(o) if project else o
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
         q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
@@ -311,4 +313,4 @@ class KimiDeltaAttention(nn.Module):
         elif isinstance(state, VarlenKDAState):
             state.rec_pool.index_copy_(0, state.index, final)
         o = self.o_norm(o, gate).reshape(B, T, H * d)
-        return self.o_proj(o)
+        return self.o_proj(o) if project else o

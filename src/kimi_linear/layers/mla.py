@@ -228,8 +228,10 @@ class NoPEMLA(nn.Module):
         cache: LatentCache | PagedLatentView | PagedPrefillView | VarlenLatents | None = None,
         attn_mask: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D].
+        """x: [B, T, D] -> [B, T, D] (``project=False``: the input of o_proj, [B, T, H v], for a caller that folds
+        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`).
 
         cache: appended to in place when given. attn_mask: bool [B, 1, T, L] (True = may attend) over all L cached
             keys, or None for a plain causal mask with no past and no padding (the model builds it).
@@ -249,7 +251,7 @@ class NoPEMLA(nn.Module):
                                  f"parallelism, got T={T}")
             cache.write_normed(kv[:, 0], self.kv_a_layernorm)
             out = self._paged(q, cache)
-            return self._output(out, gate)
+            return self._output(out, gate, project)
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)           # [B, T, 576]
         if isinstance(cache, VarlenLatents):
@@ -265,15 +267,16 @@ class NoPEMLA(nn.Module):
             out = self._chunked(q, entry, cache.past, cache.read)
         else:
             out = self._dense(q, entry, cache, attn_mask, context_parallel)
-        return self._output(out, gate)
+        return self._output(out, gate, project)
 
-    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate (``g_proj(x)``), o_proj."""
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None, project: bool = True) -> torch.Tensor:
+        """Attention output [B, H, T, v] -> [B, T, D]: heads merged, K3's output gate (``g_proj(x)``), o_proj
+        (unless not ``project``)."""
         B, H, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if gate is not None:
             out = (upcast(out) * torch.sigmoid(upcast(gate))).to(out.dtype)
-        return self.o_proj(out)
+        return self.o_proj(out) if project else out
 
     def _dense(self, q: torch.Tensor, entry: torch.Tensor, cache: LatentCache | None,
                attn_mask: torch.Tensor | None, context_parallel: ContextParallel | None) -> torch.Tensor:

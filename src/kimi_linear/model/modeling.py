@@ -25,6 +25,7 @@ from kimi_linear.layers import (
     make_glu,
 )
 from kimi_linear.layers.context_parallel import ContextParallel
+from kimi_linear.ops.rms_norm import project_add_rms_norm, project_fused
 
 from .cache import HybridCache
 from .config import k3_options, validate_config
@@ -117,9 +118,17 @@ class KimiLinearDecoderLayer(nn.Module):
                                           cu_seqlens, context_parallel)
             assert state.partial is not None
             return state.blocks, state.partial
-        h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
-        # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
-        normed, x = self.post_attention_layernorm(h, residual=x)
+        norm = self.post_attention_layernorm
+        o_proj = getattr(self.self_attn, "o_proj", None)
+        if (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and context_parallel is None
+                and o_proj.bias is None and project_fused(x, o_proj.weight, norm.weight)):
+            # a decode step: the output projection's split-K partial sums go straight into the add + norm kernel
+            o = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, project=False)
+            x, normed = project_add_rms_norm(x, o, o_proj.weight, norm.weight, norm.eps)
+        else:
+            h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
+            # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
+            normed, x = norm(h, residual=x)
         if self.is_moe:
             return self.block_sparse_moe(normed, residual=x)       # the fused MoE adds x in its combine
         return x + self.mlp(normed)
@@ -127,10 +136,12 @@ class KimiLinearDecoderLayer(nn.Module):
     def _attn(
         self, h: torch.Tensor, cache: KDAState | LatentCache | None, padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        context_parallel: ContextParallel | None = None,
+        context_parallel: ContextParallel | None = None, project: bool = True,
     ) -> torch.Tensor:
         # Passed only when set, so a swapped-in mixer (Gated DeltaNet) need not know the argument.
         cp = {} if context_parallel is None else {"context_parallel": context_parallel}
+        if not project:
+            cp["project"] = False
         if self.is_kda:
             return self.self_attn(h, cache, padding_mask, cu_seqlens, **cp)
         return self.self_attn(h, cache, attn_mask, **cp)

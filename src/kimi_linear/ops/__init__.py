@@ -14,7 +14,7 @@ from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
 from .reference import naive_recurrent_kda
-from .rms_norm import add_rms_norm, rms_norm_write  # (rms_norm itself: kimi_linear.ops.rms_norm.rms_norm)
+from .rms_norm import add_rms_norm, project_add_rms_norm, rms_norm_write  # rms_norm: ops.rms_norm.rms_norm
 
 __all__ = [
     "CHUNK_SIZE",
@@ -34,6 +34,7 @@ __all__ = [
     "naive_recurrent_kda",
     "paged_decode_rows",
     "paged_mla_decode",
+    "project_add_rms_norm",
     "rms_norm_write",
     "router_logits",
     "short_conv",

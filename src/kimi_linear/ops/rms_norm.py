@@ -68,6 +68,44 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return s, rms_norm_torch(s, weight, eps)
 
 
+def project_add_rms_norm(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, weight: torch.Tensor,
+                         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's output projection, residual add and next norm: ``add_rms_norm(x, o @ w_o^T)`` with the
+    projection rounded to o's dtype first, as a separate projection would. x [..., D], o [..., K] (x's leading
+    shape), w_o [D, K] (o_proj's weight, no bias).
+
+    On CUDA without gradients for up to PROJECT_MAX_ROWS rows (decode steps), two Triton launches: the projection
+    as split-K float32 partial sums (a [2304, 4096] projection is only 36 tiles of 64 rows: cuBLAS splits it too,
+    then reduces in a kernel of its own), summed by the add + norm kernel. Else the separate projection."""
+    check_rms_norm_inputs(x, weight)
+    if (o.shape[:-1] != x.shape[:-1] or w_o.dim() != 2 or w_o.shape != (x.shape[-1], o.shape[-1])
+            or o.dtype != x.dtype or w_o.dtype != x.dtype):
+        raise ValueError(f"project_add_rms_norm: expected o [..., K] with x's leading shape and w_o [D, K] in x's "
+                         f"dtype, got x {x.dtype} {tuple(x.shape)}, o {o.dtype} {tuple(o.shape)}, w_o {w_o.dtype} "
+                         f"{tuple(w_o.shape)}")
+    fast = _project_fast(x, o, w_o, weight)
+    if fast is not None:
+        return fast(x, o, w_o, weight, eps)
+    return add_rms_norm(x, F.linear(o, w_o), weight, eps)
+
+
+PROJECT_MAX_ROWS = 16       # the split-K kernel's row block (ops/triton/splitk.py)
+
+
+def _project_fast(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, weight: torch.Tensor):
+    fast = for_inference(triton_op("project_add_rms_norm", x), x, o, w_o, weight)
+    if fast is not None and x.numel() // x.shape[-1] <= PROJECT_MAX_ROWS and w_o.stride(1) == 1:
+        return fast
+    return None
+
+
+def project_fused(x: torch.Tensor, o_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`project_add_rms_norm` runs its fused kernels for a residual x and a projection weight (a
+    decoder layer folds its output projection into the norm only then: elsewhere the separate projection keeps its
+    own path, e.g. the CPU's thread-parallel one-row product)."""
+    return _project_fast(x, x, o_weight, weight) is not None      # (o: x's rows, dtype and gradient status)
+
+
 def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
                    rows: torch.Tensor) -> None:
     """Rows of ``[rms_norm(x[:, :D], weight) | x[:, D:]]`` (D = weight's size) stored at rows ``rows`` of ``out``:

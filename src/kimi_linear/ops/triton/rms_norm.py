@@ -22,6 +22,7 @@ import triton.language as tl
 from .chunk_common import cast
 from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
+from .splitk import split_k_partials
 
 
 @triton.jit
@@ -29,13 +30,15 @@ def rms_norm_kernel(
     x, delta, w,                      # [N, D (+ TAIL)] (row strides sx, sd; delta only with HAS_DELTA), [D]
     y, s,                             # out: the norm [.., D (+ TAIL)] (row stride sy), x + delta [N, D] (HAS_DELTA)
     dst,                              # [N] int64 row of y for each row of x (SCATTER), else row r -> r
-    N, sx, sd, sy, eps,
+    N, sx, sd, sy, eps, sp,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_DELTA: tl.constexpr, SCATTER: tl.constexpr,
-    TAIL: tl.constexpr, BT: tl.constexpr,
+    TAIL: tl.constexpr, BT: tl.constexpr, PARTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The norm of each row's first D columns; with TAIL > 0 the row's next TAIL columns are copied after it
-    unchanged (an MLA cache entry: normed latent | rope key), with SCATTER written to rows ``dst`` of y."""
+    unchanged (an MLA cache entry: normed latent | rope key), with SCATTER written to rows ``dst`` of y. With
+    PARTS > 0, delta is PARTS float32 partial sums ``sp`` elements apart (split-K), summed and rounded to x's dtype
+    as the projection they make up would round its output."""
     pdl_entry(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
@@ -48,7 +51,13 @@ def rms_norm_kernel(
         tl.store(y + o_y[:, None] * sy + o_t[None, :], b_t.to(y.dtype.element_ty), mask=m_t)
     b_x = tl.load(x + rows[:, None] * sx + o_d[None, :], mask=m, other=0.0).to(tl.float32)      # [BR, BD]
     if HAS_DELTA:
-        b_d = tl.load(delta + rows[:, None] * sd + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        if PARTS > 0:
+            b_d = tl.zeros([BR, BD], dtype=tl.float32)
+            for i in tl.static_range(PARTS):
+                b_d += tl.load(delta + i * sp + rows[:, None] * sd + o_d[None, :], mask=m, other=0.0)
+            b_d = cast(b_d, x.dtype.element_ty).to(tl.float32)
+        else:
+            b_d = tl.load(delta + rows[:, None] * sd + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         b_s = cast(b_x + b_d, s.dtype.element_ty)           # the sum as the residual stream stores it
         tl.store(s + rows[:, None] * D + o_d[None, :], b_s, mask=m)
         b_x = b_s.to(tl.float32)
@@ -72,12 +81,16 @@ def row_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, t.stride(0)
 
 
-def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm, sum or None), both [..., D] contiguous."""
+def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+           parts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(norm, sum or None), both [..., D] contiguous. ``parts`` [S, N, D] float32 (contiguous) stands for delta as
+    the sum of its S partial sums."""
     D = x.shape[-1]
     x_r, sx = row_view(x)
-    d_r, sd = row_view(delta) if delta is not None else (x_r, sx)
+    if parts is not None:
+        delta, (d_r, sd) = parts, (parts, D)
+    else:
+        d_r, sd = row_view(delta) if delta is not None else (x_r, sx)
     N = x_r.shape[0]
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else None
@@ -86,8 +99,8 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     BR = max(1, min(16, 2048 // BD))
     rms_norm_kernel[(cdiv(N, BR),)](
         x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, dst=x_r, N=N, sx=sx, sd=sd,
-        sy=D, eps=eps, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
-        num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device),
+        sy=D, eps=eps, sp=N * D, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
+        PARTS=0 if parts is None else parts.shape[0], num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device),
     )
     return y, s
 
@@ -103,8 +116,8 @@ def rms_norm_write(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
     BD = next_pow2(D)
     rms_norm_kernel[(N,)](
         x=x, delta=x, w=weight.contiguous(), y=out, s=out, dst=rows.contiguous(), N=N, sx=x.stride(0), sd=0,
-        sy=out.stride(0), eps=eps, D=D, BR=1, BD=BD, HAS_DELTA=False, SCATTER=True, TAIL=W - D,
-        BT=max(1, next_pow2(W - D)), num_warps=max(1, min(8, BD // 256)), **pdl_args(x.device),
+        sy=out.stride(0), eps=eps, sp=0, D=D, BR=1, BD=BD, HAS_DELTA=False, SCATTER=True, TAIL=W - D,
+        BT=max(1, next_pow2(W - D)), PARTS=0, num_warps=max(1, min(8, BD // 256)), **pdl_args(x.device),
     )
 
 
@@ -118,5 +131,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """:func:`kimi_linear.ops.rms_norm.add_rms_norm` (arguments checked there; delta has x's dtype):
     ``(x + delta, rms_norm(x + delta))``."""
     y, s = launch(x, delta, weight, eps)
+    assert s is not None
+    return s, y
+
+
+def project_add_rms_norm(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, weight: torch.Tensor,
+                         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kimi_linear.ops.rms_norm.project_add_rms_norm` (arguments checked there): the projection as split-K
+    partial sums (:mod:`.splitk`), which the add + norm kernel sums."""
+    K = o.shape[-1]
+    o2 = o.reshape(-1, K)
+    if o2.stride(1) != 1:
+        o2 = o2.contiguous()
+    y, s = launch(x, None, weight, eps, parts=split_k_partials(o2, w_o))
     assert s is not None
     return s, y
