@@ -11,9 +11,10 @@ sub-block take three products by halves (:func:`halves_scores`), and the rest th
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
 diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
 is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
-a reference row r between j and i, both factors <= 1, in four batched products per matrix (one per level of 16,
-8, 4 and 2 rows, over the four sub-blocks at once: :func:`diagonal_levels`). With l2norm the paths run on raw q
-and k and :func:`finish_scores` applies (and stores) the row factors.
+a reference row r between j and i, both factors <= 1, in two batched products per matrix (one per level of 16
+and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row blocks elementwise
+(:func:`diagonal_levels`). With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and stores)
+the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
 blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), stores the inverse
@@ -102,13 +103,45 @@ def level_products(b_aq, b_ak, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
 
 
 @triton.jit
-def level_sum(b_x2, b_x4, b_x8, b_x16, BC: tl.constexpr):
-    """The four levels' [NB, BC, BC] tiles, each kept on its own pairs (chunk_common.level_pairs), summed."""
+def level_sum(b_x8, b_x16, BC: tl.constexpr):
+    """The product levels' [NB, BC, BC] tiles, each kept on its own pairs (chunk_common.level_pairs), summed."""
     o_i = tl.arange(0, BC)
-    return (tl.where(level_pairs(o_i, o_i, 2)[None, :, :], b_x2, 0.0)
-            + tl.where(level_pairs(o_i, o_i, 4)[None, :, :], b_x4, 0.0)
-            + tl.where(level_pairs(o_i, o_i, 8)[None, :, :], b_x8, 0.0)
+    return (tl.where(level_pairs(o_i, o_i, 8)[None, :, :], b_x8, 0.0)
             + tl.where(level_pairs(o_i, o_i, 16)[None, :, :], b_x16, 0.0))
+
+
+# Pairs inside blocks of NEAR_ROWS rows go elementwise (near_pairs), the ones across those blocks by the product
+# levels 16 and 8. H200, 16 x 2048, strong decay, 2026-12-05 (bench/kda_ab.py, one round): scores 2.446 ms against
+# 2.631 with the four product levels (16, 8, 4, 2) and 2.710 with 8-row blocks elementwise (only level 16 a
+# product); the other gate regimes within 0.01 ms of the levels
+NEAR_ROWS: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def near_pairs(b_q, b_k, b_P, k, gP, bos, t0, T_n, i_h, i_hv, o_k,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+               W: tl.constexpr):
+    """One channel step of the pairs (i, i - D) inside W-row blocks (i % W >= D): ``q_i k_j exp(gP_i - gP_j)`` and
+    ``k_i k_j exp(gP_i - gP_j)`` summed over the step's channels, [BT] each (zero on other rows). The exponent is
+    a difference of gate sums over at most W - 1 steps (<= 0), so each factor is exact at any gate; the key and
+    gate rows of j are a second load of the chunk's rows shifted by D (L1 hits), not a product."""
+    o_t = tl.arange(0, BT)
+    m_t = ((o_t % W) >= D) & (t0 + o_t < T_n)                                    # [BT] rows with a pair
+    o_j = tl.where(m_t, o_t - D, o_t)                                           # [BT] row j (any valid row else)
+    m = m_t[:, None] & (o_k < K)[None, :]
+    b_kj = tl.load(k + ((bos + t0) * H + i_h) * K + (o_j * (H * K))[:, None] + o_k[None, :], mask=m,
+                   other=0.0).to(tl.float32)                                    # [BT, BKS]
+    b_Pj = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_j * (HV * K))[:, None] + o_k[None, :], mask=m,
+                   other=0.0)                                                   # [BT, BKS]
+    b_kj = b_kj * fast_exp(tl.where(m, b_P - b_Pj, 0.0))
+    return tl.sum(b_q * b_kj, 1), tl.sum(b_k * b_kj, 1)
+
+
+@triton.jit
+def off_diagonal(b_x, D: tl.constexpr, BT: tl.constexpr):
+    """[BT] values -> the [BT, BT] tile holding b_x[i] at (i, i - D), zero elsewhere."""
+    o_t = tl.arange(0, BT)
+    return tl.where(o_t[None, :] == (o_t - D)[:, None], b_x[:, None], 0.0)
 
 
 @triton.jit
@@ -124,32 +157,34 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, STEP: tl.constexpr,
+    PREC: tl.constexpr, STEP: tl.constexpr, NEAR: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
     decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
     above the diagonal (and on it for Akk).
 
-    Every pair j < i of a block is covered by exactly one level S = 16, 8, 4, 2 (the same S-row block, i in its
-    upper half, j in its lower half: chunk_common.level_pairs) and factored through the last row r of that lower
-    half, ``exp(gP_i - gP_j) = exp(gP_i - gP_r) exp(gP_r - gP_j)`` with j <= r < i, so both factors are <= 1
-    (chunk_common.level_factor): nothing overflows at any gate, and a factor underflows only where the exact one
-    does. Each level is one batched tensor-core product per matrix and channel step over the chunk's four 16-row
-    sub-blocks ([NB, BC, BKS] x [NB, BKS, BC]: a quarter of a [BT, BT] product's work), rows ``q_i f_i``
-    (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves; each level accumulates into tiles
-    of its own, kept on its own pairs at the end (the product also pairs rows and columns of different S-row
-    blocks: finite, every factor <= 1, and dropped there). All four levels share one pass over the channels (the
-    tiles are loaded once a step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
+    Every pair j < i of a block that crosses a 4-row boundary is covered by exactly one level S = 16, 8 (the same
+    S-row block, i in its upper half, j in its lower half: chunk_common.level_pairs) and factored through the last
+    row r of that lower half, ``exp(gP_i - gP_j) = exp(gP_i - gP_r) exp(gP_r - gP_j)`` with j <= r < i, so both
+    factors are <= 1 (chunk_common.level_factor): nothing overflows at any gate, and a factor underflows only where
+    the exact one does. Each level is one batched tensor-core product per matrix and channel step over the chunk's
+    four 16-row sub-blocks ([NB, BC, BKS] x [NB, BKS, BC]: a quarter of a [BT, BT] product's work), rows
+    ``q_i f_i`` (``k_i f_i``) of upper halves against columns ``k_j f_j`` of lower halves; each level accumulates
+    into tiles of its own, kept on its own pairs at the end (the product also pairs rows and columns of different
+    S-row blocks: finite, every factor <= 1, and dropped there). The pairs inside 4-row blocks (offsets 1-3, six
+    per block) go elementwise on the CUDA cores (:func:`near_pairs`), where levels 4 and 2 took two more batched
+    products each with their layout changes. All share one pass over the channels (the tiles are loaded once a
+    step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
+    tl.static_assert(NEAR == 4)            # level 8 holds the pairs across 4-row blocks of an 8-row block
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
-    b_q2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    b_k2 = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    b_q4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    b_k4 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    o_w = tl.arange(0, NEAR)
     b_q8 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_k8 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_q16 = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_k16 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_nq = tl.zeros([BT, NEAR], dtype=tl.float32)          # column D: the pair (i, i - D) of row i
+    b_nk = tl.zeros([BT, NEAR], dtype=tl.float32)
     b_d = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
@@ -162,16 +197,19 @@ def diagonal_levels(
         b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
         b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
         b_d += tl.sum(b_q * b_k, 1)
-        b_q2, b_k2 = level_products(b_q2, b_k2, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                    HV, K, BT, BC, BKS, PREC, 2)
-        b_q4, b_k4 = level_products(b_q4, b_k4, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
-                                    HV, K, BT, BC, BKS, PREC, 4)
+        for D in tl.static_range(1, NEAR):
+            b_aj, b_kj = near_pairs(b_q, b_k, b_P, k, gP, bos, t0, T_n, i_h, i_hv, o_k, H, HV, K, BT, D, NEAR)
+            b_nq += tl.where((o_w == D)[None, :], b_aj[:, None], 0.0)
+            b_nk += tl.where((o_w == D)[None, :], b_kj[:, None], 0.0)
         b_q8, b_k8 = level_products(b_q8, b_k8, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
                                     HV, K, BT, BC, BKS, PREC, 8)
         b_q16, b_k16 = level_products(b_q16, b_k16, b_q, b_k, gP, b_P, bos, t0, T_n, i_hv, o_k,
                                       HV, K, BT, BC, BKS, PREC, 16)
-    b_aq = block_diagonal(level_sum(b_q2, b_q4, b_q8, b_q16, BC), BT, BC)
-    b_ak = block_diagonal(level_sum(b_k2, b_k4, b_k8, b_k16, BC), BT, BC)
+    b_aq = block_diagonal(level_sum(b_q8, b_q16, BC), BT, BC)
+    b_ak = block_diagonal(level_sum(b_k8, b_k16, BC), BT, BC)
+    for D in tl.static_range(1, NEAR):
+        b_aq += off_diagonal(tl.sum(tl.where((o_w == D)[None, :], b_nq, 0.0), 1), D, BT)
+        b_ak += off_diagonal(tl.sum(tl.where((o_w == D)[None, :], b_nk, 0.0), 1), D, BT)
     return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
@@ -209,7 +247,8 @@ def chunk_scores(
         # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
         # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
         # or not is still decided per BKS-channel step, as the diagonal product below decides it.
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS,
+                                     NEAR_ROWS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
