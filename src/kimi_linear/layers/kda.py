@@ -11,7 +11,6 @@ from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
 from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
 from kimi_linear.ops.native.kda import kda_decode
-from kimi_linear.ops.projection import wide_projection
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
@@ -268,9 +267,7 @@ class KimiDeltaAttention(nn.Module):
             x = x * padding_mask[..., None].to(x.dtype)
         gate_w = H * d if self.full_rank_gate else d
         if self._pack is not None and self._pack.valid():
-            proj = wide_projection(x, self._pack.weight)                 # a decode step on CUDA (None elsewhere)
-            proj = linear(x, self._pack.weight) if proj is None else proj
-            qkv, f_a, g_a, beta_raw = proj.split([3 * H * d, d, gate_w, H], dim=-1)
+            qkv, f_a, g_a, beta_raw = linear(x, self._pack.weight).split([3 * H * d, d, gate_w, H], dim=-1)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, g_a, beta_raw = self.f_a_proj(x), self._gate_in_proj()(x), self.b_proj(x)

@@ -26,7 +26,7 @@ MAX_ROWS = BM
 @triton.jit
 def split_k_kernel(
     x, w, d_w,               # [M, K] (row stride s_xm), [N, K] (row stride s_wn), one dtype; d_w: w's descriptor
-    p,                       # out: [S, M, N] float32 partial sums (S = 1: the product itself, in any dtype)
+    p,                       # out: [S, M, N] float32 partial sums
     M, N, K, KS, s_xm, s_wn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -57,7 +57,7 @@ def split_k_kernel(
         p_x += BK
         p_w += BK
     p_p = p + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :]
-    tl.store(p_p, b_acc.to(p.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    tl.store(p_p, b_acc, mask=m_m[:, None] & m_n[None, :])
 
 
 PROGRAMS_PER_SM = 2     # [64, 128] weight tiles 4 stages deep: ~80 KB of shared memory a program
@@ -79,24 +79,6 @@ def split_k_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                                 BM=BM, BN=BN, BK=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32",
                                 TMA=d_w is not None, num_warps=4, num_stages=4, **pdl_args(x.device))
     return p
-
-
-def wide_rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """``x @ w^T`` in x's dtype for x [M <= MAX_ROWS, K] against a weight wide enough that its [BN, K] row tiles
-    alone fill the card in one wave (at least one per SM, at most PROGRAMS_PER_SM): one launch, no split, the
-    product written directly (a KDA layer's packed input projection, 12,576 rows at the 48B shape). None where the
-    weight is not that wide or not that narrow (then another path)."""
-    M, K = x.shape
-    N = w.shape[0]
-    blocks, sms = cdiv(N, BN), num_sms(x.device)
-    if M > MAX_ROWS or not sms <= blocks <= PROGRAMS_PER_SM * sms:
-        return None
-    y = torch.empty(1, M, N, dtype=x.dtype, device=x.device)
-    d_w = weight_descriptor(w)
-    split_k_kernel[(blocks, 1)](x, w, w if d_w is None else d_w, y, M, N, K, cdiv(K, BK) * BK, x.stride(0),
-                                w.stride(0), BM=BM, BN=BN, BK=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                                TMA=d_w is not None, num_warps=4, num_stages=4, **pdl_args(x.device))
-    return y[0]
 
 
 def weight_descriptor(w: torch.Tensor):
