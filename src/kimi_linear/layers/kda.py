@@ -18,15 +18,6 @@ from .norm import GatedRMSNorm
 from .packing import PackedLinears
 
 
-@dataclass
-class GatedOutput:
-    """A KDA layer's output before its gated norm, for a caller that folds the norm into the output projection
-    (``forward(project="gated")``): o and the output gate's pre-activation, [B, T, H*d] each."""
-
-    o: torch.Tensor
-    gate: torch.Tensor
-
-
 def stacked_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a, b [B, T, n] -> [2, B*T, n]: a strided view when b's columns follow a's in the rows of one row-major
     tensor (adjacent pieces of a packed projection), else a stacked copy."""
@@ -256,12 +247,10 @@ class KimiDeltaAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
-        project: bool | str = True,
-    ) -> torch.Tensor | GatedOutput:
+        project: bool = True,
+    ) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D] (``project=False``: the input of o_proj, [B, T, H d], for a caller that folds
-        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`; ``project="gated"``: a
-        :class:`GatedOutput`, o before the gated norm with its gate, for a caller that folds the norm as well, or
-        where a decode kernel has already applied the norm, that normed o as with ``project=False``).
+        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`).
 
         cu_seqlens: [N+1] offsets of documents packed into one row (B == 1, no state): neither the conv window nor
             the recurrent memory crosses a document boundary.
@@ -289,8 +278,8 @@ class KimiDeltaAttention(nn.Module):
         g, gate, gate_args = self.gates(f_a, g_a)
         if T == 1 and isinstance(state, (KDAState, PooledKDAState)) and gate_args.get("use_gate_in_kernel"):
             o = self._decode_native(qkv, g, gate, beta_raw, state)
-            if o is not None:                           # (normed already: "gated" takes it as project=False)
-                return self.o_proj(o) if project is True else o
+            if o is not None:
+                return self.o_proj(o) if project else o
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
         q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
@@ -323,7 +312,5 @@ class KimiDeltaAttention(nn.Module):
             state.recurrent = final
         elif isinstance(state, VarlenKDAState):
             state.rec_pool.index_copy_(0, state.index, final)
-        if project == "gated":
-            return GatedOutput(o.reshape(B, T, H * d), gate.reshape(B, T, H * d))
         o = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.o_proj(o) if project else o
