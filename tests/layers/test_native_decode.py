@@ -60,10 +60,9 @@ def set_gates(m: KimiDeltaAttention, regime: str, gen: torch.Generator) -> None:
         m.dt_bias.copy_(torch.empty(H * d).uniform_(1.0, 4.0, generator=gen))
 
 
-def kda_layer(regime: str, lower_bound: float | None = None, full_rank_gate: bool = False,
-              head_dim: int = 16) -> KimiDeltaAttention:
-    m = KimiDeltaAttention(48, num_heads=128 // head_dim if head_dim > 16 else 3, head_dim=head_dim, conv_size=4,
-                           gate_lower_bound=lower_bound, full_rank_gate=full_rank_gate)
+def kda_layer(regime: str, lower_bound: float | None = None, full_rank_gate: bool = False) -> KimiDeltaAttention:
+    m = KimiDeltaAttention(48, num_heads=3, head_dim=16, conv_size=4, gate_lower_bound=lower_bound,
+                           full_rank_gate=full_rank_gate)
     m = randomize(m, seed=1).eval()
     set_gates(m, regime, torch.Generator().manual_seed(2))
     m.pack()

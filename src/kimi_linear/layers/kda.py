@@ -11,27 +11,11 @@ from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
 from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
 from kimi_linear.ops.native.kda import kda_decode
-from kimi_linear.ops.projection import wide_projection
-from kimi_linear.ops.recurrent import decode_step_folds, kda_decode_step
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
 from .norm import GatedRMSNorm
 from .packing import PackedLinears
-
-# Pooled decode steps of at most this many rows give the recurrent kernel the gates' low-rank inputs, and it
-# applies the up-projections itself (a [K, R] slice of f_b and a [BV, R] slice of g_b per program, re-read from L2
-# by every row); larger batches run them as one batched product first. Not yet timed on the H200.
-FOLD_GATE_ROWS = 16
-
-
-@dataclass
-class GatedOutput:
-    """A KDA layer's output before its gated norm, for a caller that folds the norm into the output projection
-    (``forward(project="gated")``): o and the output gate's pre-activation, [B, T, H*d] each."""
-
-    o: torch.Tensor
-    gate: torch.Tensor
 
 
 def stacked_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -213,25 +197,6 @@ class KimiDeltaAttention(nn.Module):
         out = torch.bmm(stacked_rows(f_a, g_a), w)                                                  # [2, B*T, H*d]
         return out[0].view(shape), out[1].view(shape), args
 
-    def _folds_gates(self, qkv: torch.Tensor) -> bool:
-        """Whether a pooled decode token may hand the gates' low-rank inputs to the recurrent kernel, which
-        up-projects them itself (:func:`kimi_linear.ops.recurrent.kda_decode_step`): this class's own gates (a
-        subclass may have others), the low-rank output gate, and the Triton kernels (no autograd)."""
-        return (type(self).gates is KimiDeltaAttention.gates and not self.full_rank_gate
-                and decode_step_folds(qkv, self.f_b_proj.weight, self.g_b_proj.weight))
-
-    def _decode_folded(self, qkv: torch.Tensor, f_a: torch.Tensor, g_a: torch.Tensor, beta_raw: torch.Tensor,
-                       state: PooledKDAState) -> torch.Tensor:
-        """A pooled decode token whose recurrent kernel applies the gates' up-projections: conv on the pool,
-        the recurrent step (also writing the output gate), the gated norm. o [B, 1, H*d] before ``o_proj``."""
-        B, H, d = qkv.shape[0], self.num_heads, self.head_dim
-        q, k, v = self._conv(qkv, state).view(B, 1, 3, H, d).unbind(2)
-        o, gate = kda_decode_step(
-            q, k, v, f_a, g_a, beta_raw, self.f_b_proj.weight, self.g_b_proj.weight, state.rec_pool, state.index,
-            scale=d**-0.5, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound,
-        )
-        return self.o_norm(o, gate).reshape(B, 1, H * d)
-
     def output_gate(self, g_a: torch.Tensor) -> torch.Tensor:
         """The output gate's pre-activation [B, T, H, d] from ``g_a`` (the gate projection of x)."""
         B, T, _ = g_a.shape
@@ -282,12 +247,10 @@ class KimiDeltaAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         context_parallel: ContextParallel | None = None,
-        project: bool | str = True,
-    ) -> torch.Tensor | GatedOutput:
+        project: bool = True,
+    ) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D] (``project=False``: the input of o_proj, [B, T, H d], for a caller that folds
-        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`; ``project="gated"``: a
-        :class:`GatedOutput`, o before the gated norm with its gate, for a caller that folds the norm as well, or
-        where a decode kernel has already applied the norm, that normed o as with ``project=False``).
+        the projection into what follows, :func:`kimi_linear.ops.project_add_rms_norm`).
 
         cu_seqlens: [N+1] offsets of documents packed into one row (B == 1, no state): neither the conv window nor
             the recurrent memory crosses a document boundary.
@@ -304,9 +267,7 @@ class KimiDeltaAttention(nn.Module):
             x = x * padding_mask[..., None].to(x.dtype)
         gate_w = H * d if self.full_rank_gate else d
         if self._pack is not None and self._pack.valid():
-            proj = wide_projection(x, self._pack.weight)                 # a decode step on CUDA (None elsewhere)
-            proj = linear(x, self._pack.weight) if proj is None else proj
-            qkv, f_a, g_a, beta_raw = proj.split([3 * H * d, d, gate_w, H], dim=-1)
+            qkv, f_a, g_a, beta_raw = linear(x, self._pack.weight).split([3 * H * d, d, gate_w, H], dim=-1)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, g_a, beta_raw = self.f_a_proj(x), self._gate_in_proj()(x), self.b_proj(x)
@@ -314,14 +275,11 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
             pos = torch.arange(T, device=x.device) - starts.to(x.device)
-        if T == 1 and isinstance(state, PooledKDAState) and B <= FOLD_GATE_ROWS and self._folds_gates(qkv):
-            o = self._decode_folded(qkv, f_a, g_a, beta_raw, state)
-            return self.o_proj(o) if project is True else o     # (normed: "gated" as False)
         g, gate, gate_args = self.gates(f_a, g_a)
         if T == 1 and isinstance(state, (KDAState, PooledKDAState)) and gate_args.get("use_gate_in_kernel"):
             o = self._decode_native(qkv, g, gate, beta_raw, state)
-            if o is not None:                           # (normed already: "gated" takes it as project=False)
-                return self.o_proj(o) if project is True else o
+            if o is not None:
+                return self.o_proj(o) if project else o
         prev = context_parallel.previous_rows(qkv, self.conv_size - 1) if context_parallel is not None else None
         q, k, v = self._conv(qkv, state, pos, prev, cu_seqlens).view(B, T, 3, H, d).unbind(2)
         kda = fused_recurrent_kda if (state is not None and T == 1) else chunk_kda
@@ -354,7 +312,5 @@ class KimiDeltaAttention(nn.Module):
             state.recurrent = final
         elif isinstance(state, VarlenKDAState):
             state.rec_pool.index_copy_(0, state.index, final)
-        if project == "gated":
-            return GatedOutput(o.reshape(B, T, H * d), gate.reshape(B, T, H * d))
         o = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.o_proj(o) if project else o

@@ -25,7 +25,6 @@ from kimi_linear.layers import (
     make_glu,
 )
 from kimi_linear.layers.context_parallel import ContextParallel
-from kimi_linear.layers.kda import GatedOutput
 from kimi_linear.ops.rms_norm import project_add_rms_norm, project_fused
 
 from .cache import HybridCache
@@ -124,14 +123,8 @@ class KimiLinearDecoderLayer(nn.Module):
         if (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and context_parallel is None
                 and o_proj.bias is None and project_fused(x, o_proj.weight, norm.weight)):
             # a decode step: the output projection's split-K partial sums go straight into the add + norm kernel
-            # (and a KDA layer's gated norm into the projection's loads)
-            o = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens,
-                           project="gated" if self.is_kda else False)
-            gated = None
-            if isinstance(o, GatedOutput):
-                gated = (o.gate, self.self_attn.o_norm.weight, self.self_attn.o_norm.eps)
-                o = o.o
-            x, normed = project_add_rms_norm(x, o, o_proj.weight, norm.weight, norm.eps, gated_norm=gated)
+            o = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, project=False)
+            x, normed = project_add_rms_norm(x, o, o_proj.weight, norm.weight, norm.eps)
         else:
             h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
             # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
@@ -143,12 +136,12 @@ class KimiLinearDecoderLayer(nn.Module):
     def _attn(
         self, h: torch.Tensor, cache: KDAState | LatentCache | None, padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-        context_parallel: ContextParallel | None = None, project: bool | str = True,
-    ) -> torch.Tensor | GatedOutput:
+        context_parallel: ContextParallel | None = None, project: bool = True,
+    ) -> torch.Tensor:
         # Passed only when set, so a swapped-in mixer (Gated DeltaNet) need not know the argument.
         cp = {} if context_parallel is None else {"context_parallel": context_parallel}
-        if project is not True:
-            cp["project"] = project
+        if not project:
+            cp["project"] = False
         if self.is_kda:
             return self.self_attn(h, cache, padding_mask, cu_seqlens, **cp)
         return self.self_attn(h, cache, attn_mask, **cp)

@@ -279,39 +279,3 @@ def _finish(o, S, initial_state, state_indices, output_final_state):
         initial_state[state_indices] = S.to(initial_state.dtype)
         return o, (initial_state if output_final_state else None)
     return o, (S.float() if output_final_state else None)
-
-
-def kda_decode_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Tensor, g_a: torch.Tensor, beta: torch.Tensor,
-    w_f: torch.Tensor, w_g: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, *, scale: float,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A KDA layer's decode token on a state pool with its gates' low-rank up-projections folded into the recurrent
-    kernel (Triton only: :func:`decode_step_folds`): the forget gate ``f_a w_f^T`` enters the in-kernel gate
-    transform, and the output gate ``g_a w_g^T`` is written out for the gated norm, so no batched product runs
-    before the kernel. q, k [B, 1, H, K] (after the conv), v [B, 1, H, V], f_a and g_a [B, 1, R], beta [B, 1, H]
-    raw (sigmoid in the kernel; q, k l2-normalised there); w_f [H*K, R], w_g [H*V, R]; pool [slots, H, K, V]
-    float32, updated in place in rows ``rows`` [B] int64. Returns (o [B, 1, H, V], gate [B, 1, H, V])."""
-    fast = triton_op("fused_recurrent_kda", q)
-    if fast is None:
-        raise RuntimeError("kda_decode_step runs on the Triton kernels only (see decode_step_folds)")
-    B, _, H, K = q.shape
-    V, R = v.shape[-1], f_a.shape[-1]
-    expected = {"f_a": (f_a, (B, 1, R)), "g_a": (g_a, (B, 1, R)), "w_f": (w_f, (H * K, R)), "w_g": (w_g, (H * V, R)),
-                "pool": (pool, (pool.shape[0], H, K, V)), "rows": (rows, (B,))}
-    for name, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"kda_decode_step: `{name}` must be {list(shape)}, got {list(t.shape)}")
-    gate = torch.empty(B, 1, H, V, dtype=g_a.dtype, device=g_a.device)
-    o, _ = fast(q, k, v, f_a, beta, scale=scale, initial_state=pool, output_final_state=False,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state_indices=rows,
-                gate_fold=(w_f, g_a, w_g, gate))
-    return o, gate
-
-
-def decode_step_folds(q: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether :func:`kda_decode_step` runs for these tensors: the Triton kernels take q (CUDA, or the
-    interpreter) and no gradient is wanted through the weights."""
-    return triton_op("fused_recurrent_kda", q) is not None and not (
-        torch.is_grad_enabled() and any(w.requires_grad for w in weights))

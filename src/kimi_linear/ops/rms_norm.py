@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .backend import for_inference, triton_op
 from .native import norm as native
-from .norm import gated_rms_norm, upcast
+from .norm import upcast
 
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -69,12 +69,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def project_add_rms_norm(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, weight: torch.Tensor,
-                         eps: float = 1e-6, gated_norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's output projection, residual add and next norm: ``add_rms_norm(x, o @ w_o^T)`` with the
     projection rounded to o's dtype first, as a separate projection would. x [..., D], o [..., K] (x's leading
-    shape), w_o [D, K] (o_proj's weight, no bias). ``gated_norm = (gate [..., K], norm_w [d], norm_eps)``: o is a
-    KDA layer's output before its per-head gated norm (:func:`kimi_linear.ops.norm.gated_rms_norm` over heads of d
-    channels), which is applied first; on the fused path, inside the projection's tile loads when d is its step.
+    shape), w_o [D, K] (o_proj's weight, no bias).
 
     On CUDA without gradients for up to PROJECT_MAX_ROWS rows (decode steps), two Triton launches: the projection
     as split-K float32 partial sums (a [2304, 4096] projection is only 36 tiles of 64 rows: cuBLAS splits it too,
@@ -86,18 +84,9 @@ def project_add_rms_norm(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, we
                          f"dtype, got x {x.dtype} {tuple(x.shape)}, o {o.dtype} {tuple(o.shape)}, w_o {w_o.dtype} "
                          f"{tuple(w_o.shape)}")
     fast = _project_fast(x, o, w_o, weight)
-    if gated_norm is not None:
-        gate, norm_w, norm_eps = gated_norm
-        if fast is not None and norm_w.numel() == GATED_NORM_STEP and gate.shape == o.shape:
-            return fast(x, o, w_o, weight, eps, gated_norm)
-        d = norm_w.numel()
-        o = gated_rms_norm(o.unflatten(-1, (-1, d)), gate.unflatten(-1, (-1, d)), norm_w, norm_eps).flatten(-2)
     if fast is not None:
         return fast(x, o, w_o, weight, eps)
     return add_rms_norm(x, F.linear(o, w_o), weight, eps)
-
-
-GATED_NORM_STEP = 128       # the split-K kernel's reduction step: a head of this many channels is one tile
 
 
 PROJECT_MAX_ROWS = 16       # the split-K kernel's row block (ops/triton/splitk.py)

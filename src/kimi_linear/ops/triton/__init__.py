@@ -19,11 +19,9 @@ from .norm import gated_rms_norm
 from .paged import paged_decode_rows
 from .recurrent import fused_recurrent_kda
 from .rms_norm import add_rms_norm, project_add_rms_norm, rms_norm, rms_norm_write
-from .splitk import wide_rows_product
 
 __all__ = [
     "absorb_query", "add_rms_norm", "chunk_kda", "expand_values", "fused_moe", "fused_recurrent_kda",
     "gated_rms_norm", "logits_and_greedy", "paged_decode_rows", "paged_mla_decode", "project_add_rms_norm",
     "rms_norm", "rms_norm_write", "router_logits", "short_conv", "short_conv_decode", "sigmoid_topk",
-    "wide_rows_product",
 ]

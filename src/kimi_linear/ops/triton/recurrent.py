@@ -19,33 +19,15 @@ from .transforms import beta_transform, kda_gate, l2_normalize
 
 
 @triton.jit
-def up_project(p_x, w, o_r, m_r, R: tl.constexpr, BR: tl.constexpr):
-    """``W[o_r] @ x`` ([len(o_r)] float32) for one token's low-rank x [R] at p_x and W [*, R], BR columns a step."""
-    b_y = tl.zeros([o_r.shape[0]], dtype=tl.float32)
-    for c0 in tl.static_range(0, R, BR):
-        o_c = c0 + tl.arange(0, BR)
-        m_c = o_c < R
-        b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)                                   # [BR]
-        b_w = tl.load(w + o_r[:, None] * R + o_c[None, :], mask=m_r[:, None] & m_c[None, :],
-                      other=0.0).to(tl.float32)                                                        # [.., BR]
-        b_y += tl.sum(b_w * b_x[None, :], 1)
-    return b_y
-
-
-@triton.jit
 def fused_recurrent_kda_fwd_kernel(
     q, k, v, g, beta, o,             # [B, T, H, K] x2, [B, T, HV, V], [B, T, HV, K], [B, T, HV], [B, T, HV, V]
     h0, ht,                           # [N or slots, HV, K, V] float32 (ht may be h0: the in-place pool)
     A_log, dt_bias,                   # [HV], [HV, K] (in-kernel gate only)
     cu_seqlens, state_indices,        # [N + 1], [N] (optional)
-    # FOLD (a KDA layer's decode token): g holds the forget gate's low-rank input [.., R] instead, w_f [HV*K, R]
-    # up-projects it; the output gate's input g_a [.., R] (token stride s_a) goes through w_g [HV*V, R] into
-    # gate_out [B, T, HV, V] for the gated norm after the kernel
-    w_f, g_a, w_g, gate_out,
-    s_q, s_k, s_v, s_g, s_b, s_a,     # elements from one token to the next in q, k, v, g, beta (views welcome), g_a
+    s_q, s_k, s_v, s_g, s_b,          # elements from one token to the next in q, k, v, g, beta (views welcome)
     scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, FOLD: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
@@ -75,9 +57,7 @@ def fused_recurrent_kda_fwd_kernel(
     p_k = k + bos * s_k + i_h * K + o_k
     p_v = v + bos * s_v + i_hv * V + o_v
     p_o = o + (bos * HV + i_hv) * V + o_v
-    p_g = g + bos * s_g + (0 if FOLD else i_hv * K + o_k)          # FOLD: the low-rank row itself
-    p_a = g_a + bos * s_a
-    p_go = gate_out + (bos * HV + i_hv) * V + o_v
+    p_g = g + bos * s_g + i_hv * K + o_k
     p_beta = beta + bos * s_b + i_hv
     o_h = (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
 
@@ -94,11 +74,7 @@ def fused_recurrent_kda_fwd_kernel(
         b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)          # [BK]
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)          # [BK]
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)          # [BV]
-        if FOLD:
-            b_g = up_project(p_g, w_f, i_hv * K + o_k, m_k, R, BR)          # [BK]
-            tl.store(p_go, up_project(p_a, w_g, i_hv * V + o_v, m_v, R, BR).to(p_go.dtype.element_ty), mask=m_v)
-        else:
-            b_g = tl.load(p_g, mask=m_k, other=0.0).to(tl.float32)      # [BK]
+        b_g = tl.load(p_g, mask=m_k, other=0.0).to(tl.float32)          # [BK]
         b_beta = tl.load(p_beta).to(tl.float32)
         if USE_QK_L2NORM:
             b_q = l2_normalize(b_q, 0)
@@ -119,8 +95,6 @@ def fused_recurrent_kda_fwd_kernel(
         p_o += HV * V
         p_g += s_g
         p_beta += s_b
-        p_a += s_a
-        p_go += HV * V
 
     if STORE_FINAL_STATE:
         tl.store(ht + o_h, b_h, mask=m_h)
@@ -183,16 +157,12 @@ def fused_recurrent_kda(
     state_indices: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
-    gate_fold: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton ``fused_recurrent_kda``: same contract as :func:`kimi_linear.ops.fused_recurrent_kda` (inputs
     already validated there). Computes in float32 whatever the input dtype; the state stays float32.
 
     With ``state_indices`` the pool ``initial_state`` is updated in place (rows not named are untouched).
     ``block_v``/``num_warps`` override the launch shape (benchmarks); leave them None.
-    ``gate_fold`` (:func:`kimi_linear.ops.recurrent.kda_decode_step`): ``(w_f [HV*K, R], g_a [B, T, R], w_g
-    [HV*V, R], gate_out [B, T, HV, V])``; g is then the forget gate's low-rank input [B, T, R], and the kernel
-    also writes the output gate ``g_a w_g^T`` into gate_out.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -203,11 +173,6 @@ def fused_recurrent_kda(
     elif A_log is not None or dt_bias is not None or lower_bound is not None:
         raise ValueError("`A_log`, `dt_bias` and `lower_bound` only apply with `use_gate_in_kernel=True`")
     (q, s_q), (k, s_k), (v, s_v), (g, s_g), (beta, s_b) = (packed_tokens(x) for x in (q, k, v, g, beta))
-    w_f, g_a, w_g, gate_out = gate_fold if gate_fold is not None else (None, None, None, None)
-    R, s_a = 1, 0
-    if gate_fold is not None:
-        g_a, s_a = packed_tokens(g_a)
-        w_f, w_g, R = w_f.contiguous(), w_g.contiguous(), w_f.shape[1]
     if use_gate_in_kernel:
         A_log = A_log.contiguous()
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
@@ -234,10 +199,9 @@ def fused_recurrent_kda(
         dt_bias if (use_gate_in_kernel and dt_bias is not None) else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
         state_indices if state_indices is not None else dummy,
-        *((w_f, g_a, w_g, gate_out) if gate_fold is not None else (dummy,) * 4),
-        s_q, s_k, s_v, s_g, s_b, s_a,
+        s_q, s_k, s_v, s_g, s_b,
         scale, float(lower_bound) if lower_bound is not None else 0.0, T,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, FOLD=gate_fold is not None, R=R, BR=min(32, next_pow2(R)),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=store, USE_STATE_INDICES=state_indices is not None,
         USE_QK_L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,

@@ -136,14 +136,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def project_add_rms_norm(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, weight: torch.Tensor,
-                         eps: float = 1e-6, gated_norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.rms_norm.project_add_rms_norm` (arguments checked there): the projection as split-K
-    partial sums (:mod:`.splitk`; with ``gated_norm`` its tiles of o normed as they load), which the add + norm
-    kernel sums."""
+    partial sums (:mod:`.splitk`), which the add + norm kernel sums."""
     K = o.shape[-1]
-    rows = lambda t: t.reshape(-1, K) if t.reshape(-1, K).stride(1) == 1 else t.reshape(-1, K).contiguous()  # noqa: E731
-    if gated_norm is not None:
-        gated_norm = (rows(gated_norm[0]), gated_norm[1].contiguous(), float(gated_norm[2]))
-    y, s = launch(x, None, weight, eps, parts=split_k_partials(rows(o), w_o, gated_norm))
+    o2 = o.reshape(-1, K)
+    if o2.stride(1) != 1:
+        o2 = o2.contiguous()
+    y, s = launch(x, None, weight, eps, parts=split_k_partials(o2, w_o))
     assert s is not None
     return s, y

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_common import cast, mm
+from .chunk_common import mm
 from .device import num_sms
 from .ints import cdiv
 from .pdl import pdl_args, pdl_entry
@@ -24,26 +24,11 @@ MAX_ROWS = BM
 
 
 @triton.jit
-def gated_norm_tile(b_x, gate, norm_w, o_m, m, k, s_gm, eps, BK: tl.constexpr):
-    """A KDA layer's gated output norm on one head's [BM, BK] tile of o (BK = the head's channels):
-    ``o / sqrt(mean(o^2) + eps) * w * sigmoid(gate)`` in float32, rounded back to o's dtype as the separate norm
-    kernel rounds its output (chunk_common.cast)."""
-    b_o = b_x.to(tl.float32)                                                                     # [BM, BK]
-    b_g = tl.load(gate + o_m[:, None].to(tl.int64) * s_gm + k + tl.arange(0, BK)[None, :], mask=m,
-                  other=0.0).to(tl.float32)
-    b_w = tl.load(norm_w + tl.arange(0, BK)).to(tl.float32)                                      # [BK]
-    b_r = 1.0 / tl.sqrt(tl.sum(b_o * b_o, 1) / BK + eps)                                       # [BM]
-    return cast(b_o * b_r[:, None] * b_w[None, :] * tl.sigmoid(b_g), b_x.dtype)
-
-
-@triton.jit
 def split_k_kernel(
     x, w, d_w,               # [M, K] (row stride s_xm), [N, K] (row stride s_wn), one dtype; d_w: w's descriptor
-    p,                       # out: [S, M, N] float32 partial sums (S = 1: the product itself, in any dtype)
-    gate, norm_w,            # NORM: x is a KDA layer's o before its gated norm, gate [M, K] (row stride s_gm), [BK]
-    M, N, K, KS, s_xm, s_wn, s_gm, eps,
+    p,                       # out: [S, M, N] float32 partial sums
+    M, N, K, KS, s_xm, s_wn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (column block j, slice s): ``p[s, :, jBN:(j+1)BN] = x[:, sKS:(s+1)KS] @ w[jBN:(j+1)BN, sKS:(s+1)KS]^T``
@@ -64,8 +49,6 @@ def split_k_kernel(
     for k in range(k0, k_end, BK):
         m_k = o_k < k_end - k
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)                          # [BM, BK]
-        if NORM:                    # the step's BK columns are one head (BK = head dim, KS a multiple of it)
-            b_x = gated_norm_tile(b_x, gate, norm_w, o_m, m_m[:, None] & m_k[None, :], k, s_gm, eps, BK)
         if TMA:
             b_w = tl.trans(d_w.load([i_n * BN, k]))                                              # [BK, BN]
         else:
@@ -74,18 +57,16 @@ def split_k_kernel(
         p_x += BK
         p_w += BK
     p_p = p + (i_s * M + o_m[:, None]).to(tl.int64) * N + o_n[None, :]
-    tl.store(p_p, b_acc.to(p.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    tl.store(p_p, b_acc, mask=m_m[:, None] & m_n[None, :])
 
 
 PROGRAMS_PER_SM = 2     # [64, 128] weight tiles 4 stages deep: ~80 KB of shared memory a program
 
 
-def split_k_partials(x: torch.Tensor, w: torch.Tensor, gated_norm: tuple | None = None) -> torch.Tensor:
+def split_k_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M <= MAX_ROWS, K], w [N, K] (unit column strides) -> float32 partial sums [S, M, N] whose sum over S is
-    ``x @ w^T``; with ``gated_norm = (gate [M, K], norm_w [BK], eps)`` x is a KDA layer's output before its gated
-    norm over heads of BK channels, applied to each tile as it loads. S: as many slices as keep every program in
-    one wave (PROGRAMS_PER_SM an SM: a 37th-of-a-wave tail would cost a whole tile pass), each slice a multiple of
-    BK, at most 16."""
+    ``x @ w^T``. S: as many slices as keep every program in one wave (PROGRAMS_PER_SM an SM: a 37th-of-a-wave tail
+    would cost a whole tile pass), each slice a multiple of BK, at most 16."""
     M, K = x.shape
     N = w.shape[0]
     blocks = cdiv(N, BN)
@@ -94,31 +75,10 @@ def split_k_partials(x: torch.Tensor, w: torch.Tensor, gated_norm: tuple | None 
     S = cdiv(K, KS)                                   # no empty slice
     p = torch.empty(S, M, N, dtype=torch.float32, device=x.device)
     d_w = weight_descriptor(w)
-    gate, norm_w, eps = gated_norm if gated_norm is not None else (x, x, 0.0)
-    split_k_kernel[(blocks, S)](x, w, w if d_w is None else d_w, p, gate, norm_w, M, N, K, KS, x.stride(0),
-                                w.stride(0), gate.stride(0), eps, BM=BM, BN=BN, BK=BK,
-                                PREC="ieee" if x.dtype == torch.float32 else "tf32", TMA=d_w is not None,
-                                NORM=gated_norm is not None, num_warps=4, num_stages=4, **pdl_args(x.device))
+    split_k_kernel[(blocks, S)](x, w, w if d_w is None else d_w, p, M, N, K, KS, x.stride(0), w.stride(0),
+                                BM=BM, BN=BN, BK=BK, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                                TMA=d_w is not None, num_warps=4, num_stages=4, **pdl_args(x.device))
     return p
-
-
-def wide_rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """``x @ w^T`` in x's dtype for x [M <= MAX_ROWS, K] against a weight wide enough that its [BN, K] row tiles
-    alone fill the card in one wave (at least one per SM, at most PROGRAMS_PER_SM): one launch, no split, the
-    product written directly (a KDA layer's packed input projection, 12,576 rows at the 48B shape). None where the
-    weight is not that wide or not that narrow (then another path)."""
-    M, K = x.shape
-    N = w.shape[0]
-    blocks, sms = cdiv(N, BN), num_sms(x.device)
-    if M > MAX_ROWS or not sms <= blocks <= PROGRAMS_PER_SM * sms:
-        return None
-    y = torch.empty(1, M, N, dtype=x.dtype, device=x.device)
-    d_w = weight_descriptor(w)
-    split_k_kernel[(blocks, 1)](x, w, w if d_w is None else d_w, y, x, x, M, N, K, cdiv(K, BK) * BK, x.stride(0),
-                                w.stride(0), 0, 0.0, BM=BM, BN=BN, BK=BK,
-                                PREC="ieee" if x.dtype == torch.float32 else "tf32", TMA=d_w is not None, NORM=False,
-                                num_warps=4, num_stages=4, **pdl_args(x.device))
-    return y[0]
 
 
 def weight_descriptor(w: torch.Tensor):
