@@ -157,7 +157,7 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, STEP: tl.constexpr, NEAR: tl.constexpr,
+    PREC: tl.constexpr, STEP: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
     decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
@@ -175,7 +175,7 @@ def diagonal_levels(
     per block) go elementwise on the CUDA cores (:func:`near_pairs`), where levels 4 and 2 took two more batched
     products each with their layout changes. All share one pass over the channels (the tiles are loaded once a
     step). Aqk's diagonal is ``q_i . k_i`` (factor 1), summed in float32."""
-    tl.static_assert(NEAR == 4)            # level 8 holds the pairs across 4-row blocks of an 8-row block
+    NEAR: tl.constexpr = NEAR_ROWS         # 4: level 8 holds the pairs across 4-row blocks of an 8-row block
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     o_w = tl.arange(0, NEAR)
@@ -247,8 +247,7 @@ def chunk_scores(
         # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
         # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
         # or not is still decided per BKS-channel step, as the diagonal product below decides it.
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS,
-                                     NEAR_ROWS)
+        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]

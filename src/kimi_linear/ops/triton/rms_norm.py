@@ -139,10 +139,7 @@ def project_add_rms_norm(x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, we
                          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.rms_norm.project_add_rms_norm` (arguments checked there): the projection as split-K
     partial sums (:mod:`.splitk`), which the add + norm kernel sums."""
-    K = o.shape[-1]
-    o2 = o.reshape(-1, K)
-    if o2.stride(1) != 1:
-        o2 = o2.contiguous()
+    o2, _ = row_view(o)
     y, s = launch(x, None, weight, eps, parts=split_k_partials(o2, w_o))
     assert s is not None
     return s, y
