@@ -76,9 +76,6 @@ class Setup:
             self.checks = [(b, L, 16, 0) for b in (1, 32, 128) for L in (1, 17, 4096, 262144)]
             # the 1M row's blocks are drawn from a pool of 4M tokens: 2.4e9 elements, past int32 offsets
             self.checks += [(32, 4096, 64, 0), (32, 4096, 256, 0), (1, 1 << 20, 16, 1 << 22)]
-            # 64-token blocks (the engine's and generate's on a GPU): whole key tiles through TMA descriptors
-            self.checks += [(b, L, 64, 0) for b, L in ((1, 17), (1, 4096), (128, 4096), (1, 262144))]
-            self.checks += [(1, 1 << 20, 64, 1 << 22)]
             self.graph = [(32, 4096, 0), (1, 1 << 20, 1 << 22)]     # (rows, longest context, pool tokens)
             self.timings = [(1, 4096), (1, 32768), (1, 131072), (1, 1 << 20), (128, 4096), (256, 4096)]
             self.sweep_cases = [(1, 1 << 20), (1, 32768), (256, 4096)]
@@ -363,20 +360,18 @@ def run_sweep(cases: list[tuple[int, int]] | None = None, launches: list[tuple[i
         chosen = tri.launch_shape(2, B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev))
         base = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), chosen[0],
                                       tri.LONG_PER_SM if chosen == tri.LAUNCH_LONG else tri.PROGRAMS_PER_SM)
-        for (BH, BN, nw, ns), tma in ((cfg, tma) for cfg in configs
-                                      for tma in ((True, False) if S.bs % cfg[1] == 0 else (False,))):
+        for BH, BN, nw, ns in configs:
             base_bh = tri.default_num_splits(B, S.H, c.max_blocks, S.bs, tri.num_sms(S.dev), BH,
                                              tri.LONG_PER_SM if BH >= 32 else tri.PROGRAMS_PER_SM)
             most = max(1, L // 16)
             for splits in sorted({min(most, max(1, s)) for s in (base_bh // 2, base_bh, 2 * base_bh, 4 * base_bh)}):
-                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns, tma=tma,
+                row = dict(case=f"B={B} ctx={L}", BH=BH, BN=BN, warps=nw, stages=ns,
                            splits=splits)
                 try:
                     fn = partial(tri.paged_mla_decode, *c.args(), num_splits=splits, block_h=BH, block_n=BN,
-                                 num_warps=nw, num_stages=ns, tma=None if tma else False)
+                                 num_warps=nw, num_stages=ns)
                     ms = bench_ms(graph_of(fn) if S.dev.type == "cuda" else fn)   # no host time in short cases
-                    default = (BH, BN, nw, ns) == chosen and splits == base and tma == (S.bs % BN == 0)
-                    rows.append(dict(row, default=default, ms=ms,
+                    rows.append(dict(row, default=(BH, BN, nw, ns) == chosen and splits == base, ms=ms,
                                      GB_s=c.nbytes() / (ms * 1e-3) / 1e9))
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(row, default=False, ms=f"**{type(e).__name__}**", GB_s=""))
@@ -420,19 +415,15 @@ def offline_sm90() -> int:
             launches = list(dict.fromkeys([*launches, tri.LAUNCH_LONG, CANDIDATE]))
         for (BH, BN, nw, ns), bs, single in product(launches, (16, 64, 256), (True, False)):
             d = "*" + name[dt]
-            tma = dt != torch.float32 and bs % BN == 0          # whole tiles through descriptors (pool_descriptors)
-            sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32",
-                       d_k=f"tensordesc<{name[dt]}[{BN}, 512]>" if tma else d,
-                       d_r=f"tensordesc<{name[dt]}[{BN}, 64]>" if tma else d, o_part="*fp32", lse_part="*fp32",
+            sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",
                        o=d, lse="*fp32", qk_scale="fp32", stride_t="i32", H="i32", NS="i32", MB="i32")
             const = dict(C=512, R=64, BS=bs, BH=BH, BN=BN, BC=512, BR=64,
-                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, TMA=tma, PDL=False)
+                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, PDL=False)
             try:
                 res = build(tri.mla_decode_split_kernel, sig, const, nw, ns)
             except Exception as e:  # noqa: BLE001
                 res = f"**{type(e).__name__}**: {str(e)[-300:]}"
-            rows.append(dict(kernel="split" + (" (one split)" if single else "") + (" TMA" if tma else ""),
-                             dtype=name[dt], block=bs,
+            rows.append(dict(kernel="split" + (" (one split)" if single else ""), dtype=name[dt], block=bs,
                              tiles=f"{BH}x{BN}", warps=nw, stages=ns,
                              build=res))
         sig = dict(o_part="*fp32", lse_part="*fp32", seq_lens="*i32", o="*" + name[dt], lse="*fp32", H="i32",

@@ -110,9 +110,6 @@ CASES = [  # (lens, block size, splits, heads)
     ([130, 64, 3], 64, 4, 5),            # 64-key blocks: a key tile inside one block
     ([257, 9], 64, 16, 3),               # more splits than tiles
     ([3000, 70], 16, 100, 3),            # 94 used splits of one tile each
-    # 16-bit pools whose blocks hold whole key tiles read those through TMA descriptors (the interpreter has them):
-    ([512, 128, 64], 64, 3, 5),          # lengths on tile ends: no partial tile
-    ([600, 256, 70], 256, 5, 5),         # tiles at offsets inside 256-token blocks; partial last tiles
 ]
 
 
@@ -131,35 +128,6 @@ def test_triton_matches_reference(lens, bs, splits, H, dtype, launch):
     assert torch.isfinite(ctx).all() and torch.isfinite(lse).all()
     assert rel_err(ctx, ctx_ref) < bar
     assert (lse.double() - lse_ref).abs().max() < lse_bar
-
-
-@pytest.mark.parametrize("bs, block_n", [(64, 32), (64, 64), (256, 64)])
-def test_triton_tma_tiles_equal_pointer_tiles(bs, block_n):
-    """Whole tiles through the pool's descriptors give the same numbers as pointer loads of them (same products in
-    the same order), at lengths with and without a partial last tile, with several splits."""
-    pytest.importorskip("triton")
-    from kimi_linear.ops.triton.mla_decode import pool_descriptors
-
-    q, cache, table, seq = make_case([5 * block_n, 3 * block_n + 7, 1], bs=bs, H=5, dtype=torch.bfloat16, seed=bs)
-    assert pool_descriptors(cache, 32, block_n)[0] is not None
-    for splits in (1, 3):
-        kw = dict(num_splits=splits, block_h=16, block_n=block_n, num_warps=4, num_stages=3)
-        ctx, lse = triton_decode(q, cache, table, seq, 0.25, 32, **kw)
-        ctx_p, lse_p = triton_decode(q, cache, table, seq, 0.25, 32, tma=False, **kw)
-        assert torch.equal(ctx, ctx_p) and torch.equal(lse, lse_p)
-        assert rel_err(ctx, reference(q, cache, table, seq, 0.25, 32)[0]) < 5e-3
-
-
-def test_pool_descriptors_only_where_whole_tiles_fit():
-    pytest.importorskip("triton")
-    from kimi_linear.ops.triton.mla_decode import pool_descriptors
-
-    _, cache, _, _ = make_case([40], bs=64, dtype=torch.bfloat16)
-    assert pool_descriptors(cache, 32, 64)[0] is not None
-    assert pool_descriptors(cache, 32, 128) == (None, None)                  # a tile would span two blocks
-    assert pool_descriptors(cache.float(), 32, 64) == (None, None)           # float32 pools: pointers
-    assert pool_descriptors(cache[:, :, :40], 32, 64) == (None, None)        # rope part of 8: not a TMA box
-    assert pool_descriptors(cache[::2], 32, 64) == (None, None)              # not one row a token
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

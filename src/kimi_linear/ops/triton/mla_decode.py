@@ -32,10 +32,8 @@ from .chunk_common import cast, mm
 from .device import num_sms
 from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
-from .tma import tensor_descriptor_class, tma_supported
 
 LOG2E = 1.4426950408889634
-TAIL = tl.constexpr(16)     # keys a step of the partial last tile behind TMA tiles (an mma's N)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # Tiles (BH heads x BN keys), warps and pipeline stages per pool dtype. BH = 16 is the smallest M of a tensor-core
@@ -132,13 +130,12 @@ def attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC: tl.conste
 @triton.jit
 def mla_decode_split_kernel(
     q, cache, block_table, seq_lens,  # [B, H, W], [num_blocks, BS, W], [B, >= MB] (row stride stride_t), [B]
-    d_k, d_r,                         # with TMA: descriptors of the pool's latent / rope columns, [BN, C] / [BN, R]
     o_part, lse_part,                 # out: [B, H, NS, C] float32, [B, H, NS] float32 (base 2); unused if SINGLE
     o, lse,                           # out if SINGLE: [B, H, C] in q's dtype, [B, H] float32 (natural log)
     qk_scale, stride_t, H, NS, MB,
     C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-    PREC: tl.constexpr, SINGLE: tl.constexpr, TMA: tl.constexpr,
+    PREC: tl.constexpr, SINGLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -167,32 +164,12 @@ def mla_decode_split_kernel(
     # load of the same iteration is one Triton's pipeliner leaves single-buffered (it waits for each tile after
     # the two products), while addresses carried in from the previous iteration let it keep num_stages - 1 key
     # tiles in flight (offline sm_90 build: 2 buffers at 3 stages, 1 before whatever the stages).
-    if TMA:
-        # Whole tiles (BS a multiple of BN: a tile is BN consecutive pool rows of one block) come through the
-        # descriptors, which the pipeliner issues num_stages - 1 tiles ahead with no per-key address math; only
-        # the row's last tile, when partial, is read by pointers, masked (the rest of its block may hold anything).
-        t_full = tl.maximum(tl.minimum(t1, L // BN), t0)
-        i_blk = tl.load(p_t + (t0 * BN) // BS, mask=t0 < t_full, other=0).to(tl.int32)   # carried a tile ahead
-        m_n = tl.full([BN], 1, tl.int1)
-        for i_t in range(t0, t_full):
-            o_row = i_blk * BS + (i_t * BN) % BS
-            b_k = d_k.load([o_row, 0])                                                               # [BN, BC]
-            b_kr = d_r.load([o_row, 0])                                                              # [BN, BR]
-            i_blk = tl.load(p_t + ((i_t + 1) * BN) // BS, mask=i_t + 1 < t_full, other=0).to(tl.int32)
-            b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
-        # the partial tile in TAIL-key pieces through registers, unpipelined: a whole [BN, C] tile held in
-        # registers outside the pipeline spilled (offline sm_90 build: ~1 KB of stack at [32, 64] x 8 warps)
-        for i_u in tl.range(t_full * (BN // TAIL), tl.cdiv(hi, TAIL), num_stages=1):
-            b_k, b_kr = tile_keys(cache, i_u, tile_blocks(p_t, i_u, hi, BS, TAIL), hi, BS, TAIL, C, R, BC, BR)
-            m_u = i_u * TAIL + tl.arange(0, TAIL) < hi                                               # [TAIL]
-            b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_u, qk_scale, b_m, b_l, b_acc, PREC)
-    else:
-        b_blk = tile_blocks(p_t, t0, hi, BS, BN)                                                     # [BN]
-        for i_t in range(t0, t1):
-            b_k, b_kr = tile_keys(cache, i_t, b_blk, hi, BS, BN, C, R, BC, BR)                       # [BN, BC|BR]
-            b_blk = tile_blocks(p_t, i_t + 1, hi, BS, BN)      # past the split's keys: masked, nothing read
-            m_n = i_t * BN + tl.arange(0, BN) < hi
-            b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
+    b_blk = tile_blocks(p_t, t0, hi, BS, BN)                                                         # [BN]
+    for i_t in range(t0, t1):
+        b_k, b_kr = tile_keys(cache, i_t, b_blk, hi, BS, BN, C, R, BC, BR)                           # [BN, BC|BR]
+        b_blk = tile_blocks(p_t, i_t + 1, hi, BS, BN)          # past the split's keys: masked, nothing read
+        m_n = i_t * BN + tl.arange(0, BN) < hi
+        b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
 
     # an empty split (past the row's keys) writes nothing; the merge skips it. (tl.where rather than `m_h & (t0 <
     # t1)`: the interpreter turns a vector & scalar of booleans into integers, which it refuses as a mask.)
@@ -283,31 +260,14 @@ def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, blo
     return LAUNCH[element_size]
 
 
-def pool_descriptors(cache: torch.Tensor, C: int, BN: int):
-    """TMA descriptors of the pool's latent and rope columns as [rows, C] / [rows, R] matrices with [BN, C] / [BN, R]
-    boxes, or (None, None) where whole tiles cannot be read that way: not a 16-bit pool (float32 pools are for
-    checks), blocks not a multiple of BN tokens, C or R not a power of two >= 16, a layout that is not one row of W
-    elements per token, 16-byte misalignment, or more pool rows than TMA's int32 coordinates reach."""
-    TensorDescriptor = tensor_descriptor_class()
-    num_blocks, BS, W = cache.shape
-    R, rows = W - C, num_blocks * BS
-    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (C, R))
-    if (not tma_supported(cache.device) or cache.element_size() != 2 or BS % BN or not pow2 or rows >= 2**31
-            or cache.stride() != (BS * W, W, 1) or cache.data_ptr() % 16 or (C * 2) % 16):
-        return None, None
-    flat = cache.view(rows, W)
-    return (TensorDescriptor(flat[:, :C], [rows, C], [W, 1], [BN, C]),
-            TensorDescriptor(flat[:, C:], [rows, R], [W, 1], [BN, R]))
-
-
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.mla_decode.paged_mla_decode` on the GPU (arguments checked there): ``(ctx [B, H, C]
     in q's dtype, lse [B, H] float32)``. q is cast to the pool's dtype for the products (float32 accumulation).
-    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's choice, ``tma``
-    False keeps whole tiles on pointer loads where descriptors could read them (benchmarks)."""
+    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's choice
+    (benchmarks)."""
     B, H, W = q.shape
     C, R = kv_lora_rank, W - kv_lora_rank
     BS = cache.shape[1]
@@ -331,11 +291,10 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     else:
         o_part = torch.empty(B, H, NS, C, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, H, NS, dtype=torch.float32, device=q.device)
-    d_k, d_r = pool_descriptors(cache, C, BN) if tma is not False else (None, None)
     mla_decode_split_kernel[(cdiv(H, BH), NS, B)](
-        q, cache, block_table, seq_lens, cache if d_k is None else d_k, cache if d_r is None else d_r,
-        o_part, lse_part, o, lse, scale * LOG2E, block_table.stride(0), H, NS, MB,
-        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single, TMA=d_k is not None,
+        q, cache, block_table, seq_lens, o_part, lse_part, o, lse,
+        scale * LOG2E, block_table.stride(0), H, NS, MB,
+        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl_args(q.device),
     )
     if not single:
