@@ -278,8 +278,7 @@ def test_wide_keys_forward_and_final_state():
                                   "varlen mixed", "-1000 padding"])
 def test_strong_decay(case, dtype, monkeypatch):
     """The strong-decay regime of issue 20 against the float64 reference: every 16-row sub-block's gate sum far
-    below -SAFE_EXP = 60; those with -1000 steps, and those of heads with large A, below -DIAG_LIMIT = 160, where
-    the diagonal product's factors overflow float32 and the diagonal blocks must take the reference-row levels
+    below -SAFE_EXP, so ``exp(-gP_j)`` overflows float32 and the diagonal blocks must take the reference-row levels
     (chunk_wy.diagonal_levels, counted: the test fails if they are not taken). The in-kernel softplus gate with
     A_log = log U(1, 16) (about -6.7 a step) and l2norm over GVA; mild and strong channels (and -1000 steps) in the
     same chunks (test cases: triton_cases.mixed_gates), also packed with lengths that are not multiples of 64
@@ -309,28 +308,9 @@ def test_strong_decay(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_diagonal_product_up_to_its_limit(dtype, monkeypatch):
-    """Sub-blocks falling by about 149 (value head 0, -9.3 a step) take the diagonal blocks' one product through
-    each sub-block's midpoint, factors up to exp(75): through the sub-block's start (exp(149)) or three quarters of
-    its fall (exp(112)) they would overflow float32. Sub-blocks falling by about 168 (head 1, -10.5 a step) are past
-    DIAG_LIMIT and go to the reference-row levels: exactly head 1's two full chunks call them (the third chunk
-    holds two rows). Against the float64 reference."""
-    from kimi_linear.ops.triton import chunk_wy
-
-    calls = spy_calls(monkeypatch, chunk_wy, "diagonal_levels")
-    x = stepped_gates(make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=70), (-9.3, -10.5), seed=71)
-    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
-                         NO_OPTIONS, None)
-    o_ref, S_ref = reference(x, NO_OPTIONS)
-    assert len(calls) == 2, calls
-    assert torch.isfinite(o).all() and torch.isfinite(S).all()
-    assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
     """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the sub-block
-    scheme, mild channels included (chunk_wy.DIAG_LIMIT forced to -1): there every pair of a diagonal block has a
+    scheme, mild channels included (chunk_common.SAFE_EXP forced to -1): there every pair of a diagonal block has a
     factor that matters, so each level's pairs and masks are checked, not only the pairs next to the diagonal that
     strong decay leaves. Must match the reference as closely as the fast product does."""
     force_levels(monkeypatch)

@@ -330,27 +330,12 @@ def test_score_gradients_of_every_chunk_kind_in_one_call(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_diagonal_gradients_up_to_their_limit(dtype, monkeypatch):
-    """Sub-blocks falling by about 110 (value head 0, -6.9 a step) take the diagonal blocks' four products through
-    each channel's midpoint, factors up to exp(55): through the sub-block's start (exp(110)) they would overflow
-    float32. Sub-blocks falling by about 130 (head 1, -8.1 a step) are past 2 SAFE_EXP and go to the reference-row
-    levels: only head 1's two full chunks call them (4 sub-blocks x 4 levels each). Every gradient against the
-    float64 reference."""
-    from kimi_linear.ops.triton import chunk_bwd
-
-    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
-    x = stepped_gates(make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=84), (-6.9, -8.1), seed=85)
-    check(x, bar=1e-4 if dtype == torch.float32 else 2e-2)
-    assert len(calls) == 2 * 4 * 4, len(calls)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_level_gradients_on_every_diagonal_block(dtype, monkeypatch):
     """The score gradients' reference-row levels on every diagonal block of the sub-block scheme, mild channels
-    included (chunk_bwd.SAFE_EXP and chunk_wy.DIAG_LIMIT forced to -1), so that every pair of a block carries
-    weight: the in-kernel softplus gate with exp(A_log) in [3, 5] decays by about 3 a step (not separable over 32
-    rows, about 50 per sub-block: the fast product's regime). dA_log and ddt_bias collect dG over every token, so
-    the diagonal blocks' row and column shares of dG must cancel pair by pair."""
+    included (chunk_common.SAFE_EXP forced to -1, forward too), so that every pair of a block carries weight: the
+    in-kernel softplus gate with exp(A_log) in [3, 5] decays by about 3 a step (not separable over 32 rows, about
+    50 per sub-block: the fast product's regime). dA_log and ddt_bias collect dG over every token, so the diagonal
+    blocks' row and column shares of dG must cancel pair by pair."""
     from kimi_linear.ops.triton import chunk_bwd
 
     force_levels(monkeypatch)

@@ -187,42 +187,32 @@ def chunk_kda_bwd_wy_kernel(
 @triton.jit
 def diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0, T_n, i_hv, o_k,
                          HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, S: tl.constexpr):
-    """Level S of :func:`diagonal_grads`' strong path added to (dq, dk from rows, dk from columns, dG): the pairs
-    of the level (chunk_common.level_pairs; dA masked before the products, so nothing outside the level is ever
-    formed) with the level's factors f (chunk_common.level_factor, all <= 1) for rows and columns alike
-    (:func:`factored_block_grads`). dG is formed from the rounded operands themselves, so each pair's row share
-    and column share are the same real number and cancel up to float32 accumulation; ``q dq`` from tf32 products
-    would leave each pair's operand rounding behind (bf16 strong decay, interpreter: dt_bias's gradient 1.5e-2 off
-    the float64 reference, against 3e-3 with exact products)."""
+    """Level S of :func:`diagonal_grads`' strong path added to (dq, dk from rows, dk from columns, dG): with f the
+    level's factors (chunk_common.level_factor, all <= 1), dA kept on the level's pairs (chunk_common.level_pairs;
+    masked before the products, so nothing outside the level is ever formed) and the operands ``Q' = q f``,
+    ``K' = k f`` (rounded once for PREC, :func:`tf32_operand`),
+
+        dq += f (dAq K')      dk_rows += f (dAk K')      dk_cols += f (dAq^T Q' + dAk^T K')
+        dG += Q' (dAq K') + K' (dAk K') - K' (dAq^T Q' + dAk^T K')
+
+    four [BC, BC] x [BC, BK] tensor-core products. dG is formed from the rounded operands themselves, so each
+    pair's row share and column share are the same real number and cancel up to float32 accumulation; ``q dq`` from
+    tf32 products would leave each pair's operand rounding behind (bf16 strong decay, interpreter: dt_bias's
+    gradient 1.5e-2 off the float64 reference, against 3e-3 with exact products)."""
     o_r = tl.arange(0, BC)
     b_f = level_factor(gP, b_P, bos, r0, T_n, i_hv, HV, K, o_k, S, BC)            # [BC, BK]
     m_l = level_pairs(o_r, o_r, S)                                                # [BC, BC]
-    return factored_block_grads(b_dq, b_dkr, b_dkc, b_dG, tl.where(m_l, b_dAq, 0.0), tl.where(m_l, b_dAk, 0.0),
-                                b_q, b_k, b_f, b_f, PREC)
-
-
-@triton.jit
-def factored_block_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_fr, b_fc, PREC: tl.constexpr):
-    """A diagonal block's pairs whose factor is ``fr_i fc_j`` (rows i, columns j; b_dAq, b_dAk zero elsewhere)
-    added to (dq, dk from rows, dk from columns, dG), with the operands rounded once for PREC: ``Q' = q fr``,
-    ``K' = k fr`` (rows), ``K'' = k fc`` (columns),
-
-        dq += fr (dAq K'')      dk_rows += fr (dAk K'')      dk_cols += fc (dAq^T Q' + dAk^T K')
-        dG += Q' (dAq K'') + K' (dAk K'') - K'' (dAq^T Q' + dAk^T K')
-
-    four [BC, BC] x [BC, BK] tensor-core products."""
-    b_aq = tf32_operand(b_dAq, PREC)
-    b_ak = tf32_operand(b_dAk, PREC)
-    b_qr = tf32_operand(b_q * b_fr, PREC)
-    b_kr = tf32_operand(b_k * b_fr, PREC)
-    b_kc = tf32_operand(b_k * b_fc, PREC)
-    b_rq = mm_rounded(b_aq, b_kc, tl.zeros_like(b_kc), PREC)                     # [BC, BK] dAq K''
-    b_rk = mm_rounded(b_ak, b_kc, tl.zeros_like(b_kc), PREC)                     # dAk K''
-    b_c = mm_rounded(tl.trans(b_ak), b_kr, mm_rounded(tl.trans(b_aq), b_qr, tl.zeros_like(b_kc), PREC), PREC)
-    b_dq += b_fr * b_rq
-    b_dkr += b_fr * b_rk
-    b_dkc += b_fc * b_c
-    b_dG += b_qr * b_rq + b_kr * b_rk - b_kc * b_c
+    b_aq = tf32_operand(tl.where(m_l, b_dAq, 0.0), PREC)
+    b_ak = tf32_operand(tl.where(m_l, b_dAk, 0.0), PREC)
+    b_kf = tf32_operand(b_k * b_f, PREC)
+    b_qf = tf32_operand(b_q * b_f, PREC)
+    b_rq = mm_rounded(b_aq, b_kf, tl.zeros_like(b_kf), PREC)                     # [BC, BK] dAq K'
+    b_rk = mm_rounded(b_ak, b_kf, tl.zeros_like(b_kf), PREC)                     # dAk K'
+    b_c = mm_rounded(tl.trans(b_ak), b_kf, mm_rounded(tl.trans(b_aq), b_qf, tl.zeros_like(b_kf), PREC), PREC)
+    b_dq += b_f * b_rq
+    b_dkr += b_f * b_rk
+    b_dkc += b_f * b_c
+    b_dG += b_qf * b_rq + b_kf * (b_rk - b_c)
     return b_dq, b_dkr, b_dkc, b_dG
 
 
@@ -234,23 +224,21 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
     dAkk, both strictly lower (Aqk's diagonal is the caller's, see :func:`separable_grads`); returned with the
     sub-block's gate gradient ``dG = q dq + k (dk_rows - dk_columns)``.
 
-    With ``D = gP - m``, m the midpoint of each channel's fall over the sub-block (half its last valid row's gP),
-    ``exp(gP_i - gP_j) = exp(D_i) exp(-D_j)``; when every |D| < SAFE_EXP (a fall of less than 2 SAFE_EXP) both
-    factors fit float32 with room for the products' sums over a row of dA: four products. (Through the
-    sub-block's start, ``exp(gP_i) exp(-gP_j)``, the same bound allowed half the fall.) Otherwise (strong decay,
-    e.g. padding gates of -1000, where ``exp(-D_j)`` overflows) every pair
+    When every |gP| < SAFE_EXP, ``exp(gP_i - gP_j) = exp(gP_i) exp(-gP_j)`` (both factors fit float32): four
+    products. Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows) every pair
     j < i is factored through a reference row r, j <= r < i, ``exp(gP_i - gP_r) exp(gP_r - gP_j)``, both factors
     <= 1, by the four levels S = 16, 8, 4, 2 of the forward (chunk_wy.diagonal_levels): four products per level
     (:func:`diagonal_level_grads`, which also adds the block's share of dG), exact at any gate."""
-    b_D = b_P - 0.5 * tl.min(b_P, 0)[None, :]           # [BC, BK] (rows past T_n hold 0: the min is the fall)
-    b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                                # the earlier and later blocks' share
-    if tl.max(tl.abs(b_D)) < SAFE_EXP:
-        # the block's share of dG from the products' own rounded operands, as the levels form theirs: its row and
-        # column shares then cancel pair by pair (taken from the totals, bf16 strong decay's ddt_bias was 7.2e-3
-        # off the float64 reference, against 3.4e-3)
-        b_dq, b_dkr, b_dkc, b_dG = factored_block_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k,
-                                                        tl.exp(b_D), tl.exp(-b_D), PREC)
+    if tl.max(tl.abs(b_P)) < SAFE_EXP:
+        b_e = tl.exp(b_P)
+        b_ie = tl.exp(-b_P)
+        b_kie = b_k * b_ie
+        b_dq += b_e * mm(b_dAq, b_kie, PREC)
+        b_dkr += b_e * mm(b_dAk, b_kie, PREC)
+        b_dkc += b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
+        b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)
     else:
+        b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                            # the earlier and later blocks' share
         b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
                                                         bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 16)
         b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,

@@ -13,9 +13,7 @@ so with a gate of -1000 every factor that should vanish underflows to an exact 0
 differences of sums are ``tot_J - gP_j`` and, inside a diagonal 16x16 block, ``gP_i - gP_r`` and ``gP_r - gP_j``
 with r a reference row of the same sub-block between j and i (:func:`level_factor`; both <= 0): sums over at most
 15 steps, never over the whole chunk, which keeps float32 rounding of large cumulative gates out of the factors.
-(Where a sub-block's gate falls by less than DIAG_LIMIT, the forward's diagonal blocks take ``exp(gP_i - tot_I / 2)
-exp(tot_I / 2 - gP_j)`` instead, through the midpoint of the fall; the score gradients the same where it falls by
-less than 2 SAFE_EXP.)
+(Where every sub-block's sum is above -SAFE_EXP, the diagonal blocks take ``exp(gP_i) exp(-gP_j)`` instead.)
 """
 
 from __future__ import annotations
@@ -30,14 +28,10 @@ from .fastmath import INTERPRET, fast_exp
 
 BT = 64                 # chunk length
 BC = 16                 # sub-block length; BT // BC = 4 sub-blocks per chunk
-# |gP - tot / 2| below this on a 16-row block: exp(+-(gP - tot / 2)) (<= 1.2e26) fit float32 with room for a dot
-# product (the score gradients' diagonal blocks: chunk_bwd.diagonal_grads).
+# |gP| below this on a 16-row block: exp(gP) and exp(-gP) (<= 1.2e26) both fit float32 with room for a dot product.
 SAFE_EXP: tl.constexpr = tl.constexpr(60.0)
 # A gate falling by less than this over 32 rows: exp(+-HALF_LIMIT) (<= 5.5e34) are normal float32 numbers.
 HALF_LIMIT: tl.constexpr = tl.constexpr(80.0)
-# A 16-row sub-block falling by less than this: factored through the midpoint of its fall, its diagonal block's
-# factors exp(+-(gP - tot / 2)) are at most exp(HALF_LIMIT) (chunk_wy.chunk_scores).
-DIAG_LIMIT: tl.constexpr = tl.constexpr(160.0)
 
 
 @triton.jit

@@ -9,9 +9,8 @@ HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) nee
 (:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
 sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
-diagonal blocks use ``exp(gP_i - tot_I / 2) exp(tot_I / 2 - gP_j)`` (one product, through the midpoint of the
-sub-block's fall) on the channel steps where every sub-block's gate sum is above -DIAG_LIMIT, else (strong decay,
-e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
+diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
+is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
 a reference row r between j and i, both factors <= 1, in two batched products per matrix (one per level of 16
 and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row blocks elementwise
 (:func:`diagonal_levels`). With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and stores)
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
-    DIAG_LIMIT,
+    SAFE_EXP,
     block_of,
     chunk_coords,
     chunk_gate_terms,
@@ -71,9 +70,9 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
 
 @triton.jit
 def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
-    """Whether every sub-block's gate sum at channels o_k is above -DIAG_LIMIT, so that :func:`chunk_scores` may take
-    that channel step's diagonal blocks as one product through each sub-block's midpoint; the other steps
-    ("strong": e.g. padding gates of -1000, where those factors overflow) go through :func:`diagonal_levels`."""
+    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`chunk_scores` may take
+    that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
+    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
     return totals_safe(b_t0, b_t1, b_t2, b_t3)
 
@@ -82,7 +81,7 @@ def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC
 def totals_safe(b_t0, b_t1, b_t2, b_t3):
     """:func:`safe_step`'s test on the four sub-block totals of a channel step (one test for both the diagonal
     product of :func:`chunk_scores` and :func:`diagonal_levels`, so each channel's pairs come from exactly one)."""
-    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -DIAG_LIMIT
+    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
 
 
 @triton.jit
@@ -227,12 +226,8 @@ def chunk_scores(
 
     * half: rows of sub-blocks 2-3 against columns of 0-1, through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``;
     * quarter: blocks (1, 0) and (3, 2), through the row between them: ``exp(gP_i) exp(tot_J - gP_j)``;
-    * diagonal blocks: ``exp(gP_i - m_I) exp(m_I - gP_j)`` with m_I = tot_I / 2, the midpoint of the sub-block's
-      fall (one product), when every sub-block's gate sum is above -DIAG_LIMIT: then both factors are at most
-      exp(DIAG_LIMIT / 2), normal float32 numbers. Kept pairs (j <= i) are <= 1; the product's other entries (j > i,
-      or another sub-block's rows) may overflow and are only ever selected away. Through the sub-block's start
-      instead (``exp(gP_i) exp(-gP_j)``, factors up to exp(-tot)) the product was safe only above a fall of 60:
-      under strong decay (about 7 a step) 12% of the channel steps against 56% through the midpoint.
+    * diagonal blocks: ``exp(gP_i) exp(-gP_j)`` (one product), when every sub-block's gate sum is above
+      -SAFE_EXP, so that ``exp(-gP_j)`` fits float32.
 
     The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`) are
     :func:`diagonal_levels`' four products per matrix through reference rows, computed first (when the chunk has
@@ -281,14 +276,11 @@ def chunk_scores(
         b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
         b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
         if totals_safe(b_t0, b_t1, b_t2, b_t3):
-            # every |gP - tot / 2| < DIAG_LIMIT / 2. Both factors get an exponential of their own: the row factor
-            # as exp(gP) exp(-tot / 2) would lose rows whose exp(gP) is below float32's range
-            b_D = b_P - 0.5 * b_own                                        # [BT, BKS]
-            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))      # [BKS, BT]
-            b_er = fast_exp(b_D)                                           # [BT, BKS]
+            # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
+            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-            b_aq += tl.where(m_diag, mm_rounded(tf32_operand(b_q * b_er, PREC), b_ct, b_zero, PREC), 0.0)
-            b_ak += tl.where(m_diag, mm_rounded(tf32_operand(b_k * b_er, PREC), b_ct, b_zero, PREC), 0.0)
+            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
+            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
     return b_aq, b_ak
 
 
