@@ -87,19 +87,20 @@ def launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, ep
     the sum of its S partial sums."""
     D = x.shape[-1]
     x_r, sx = row_view(x)
+    has_delta = delta is not None or parts is not None
     if parts is not None:
-        delta, (d_r, sd) = parts, (parts, D)
+        d_r, sd = parts, D
     else:
         d_r, sd = row_view(delta) if delta is not None else (x_r, sx)
     N = x_r.shape[0]
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else None
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_delta else None
     BD = next_pow2(D)
     # a few rows per program when rows are short, so a program has at least ~2K elements of work
     BR = max(1, min(16, 2048 // BD))
     rms_norm_kernel[(cdiv(N, BR),)](
         x=x_r, delta=d_r, w=weight.contiguous(), y=y, s=s if s is not None else y, dst=x_r, N=N, sx=sx, sd=sd,
-        sy=D, eps=eps, sp=N * D, D=D, BR=BR, BD=BD, HAS_DELTA=delta is not None, SCATTER=False, TAIL=0, BT=1,
+        sy=D, eps=eps, sp=N * D, D=D, BR=BR, BD=BD, HAS_DELTA=has_delta, SCATTER=False, TAIL=0, BT=1,
         PARTS=0 if parts is None else parts.shape[0], num_warps=max(1, min(8, BR * BD // 512)), **pdl_args(x.device),
     )
     return y, s
