@@ -67,65 +67,72 @@ typedef struct {
     float lower_bound, norm_eps, scale;
 } KDAStep;
 
-/* kda_decode_f32's work for sequence b, in state row `row`. */
-static void kda_decode_row(const KDAStep *p, int64_t b, int64_t row)
+/* The causal depthwise conv over [window; x] and its SiLU for the D channels from c0 of sequence b (row `row`),
+ * into y; then those channels of the window move on by one input. Reads before it writes, slot by slot in
+ * increasing order, so the window may be updated in place (a serving pool). */
+static void conv_channels(const KDAStep *p, int64_t b, int64_t row, int64_t c0, float *y)
 {
-    const int64_t H = p->H, D = p->D, W = p->W;
-    const int64_t HD = H * D, C = 3 * HD, win_size = (W - 1) * C;
-    float y[C];          /* the conv output q|k|v of the sequence */
-    float kS[D], o[D], a[D], kn[D], qn[D];
-    const float *x = p->qkv + b * p->qkv_stride;
-    const float *wi = p->win_in + row * win_size;
-    float *wo = p->win_out + row * win_size;
-    /* causal depthwise conv over [window; x], then SiLU */
-    for (int64_t c = 0; c < C; c++) {
-        float acc = x[c] * p->conv_w[(W - 1) * C + c];
-        for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * p->conv_w[j * C + c];
+    const int64_t D = p->D, W = p->W, C = 3 * p->H * p->D, win_size = (W - 1) * C;
+    const float *x = p->qkv + b * p->qkv_stride + c0;
+    const float *wi = p->win_in + row * win_size + c0;
+    float *wo = p->win_out + row * win_size + c0;
+    const float *cw = p->conv_w + c0;
+    for (int64_t c = 0; c < D; c++) {
+        float acc = x[c] * cw[(W - 1) * C + c];
+        for (int64_t j = 0; j < W - 1; j++) acc += wi[j * C + c] * cw[j * C + c];
         y[c] = acc * sigmoidf(acc);
     }
-    /* the window moves on by one input (memmove: in and p->out may be the same row) */
-    memmove(wo, wi + C, (size_t)((W - 2) * C) * sizeof(float));
-    memcpy(wo + (W - 2) * C, x, (size_t)C * sizeof(float));
-    for (int64_t h = 0; h < H; h++) {
-        const float *q = y + h * D, *k = y + HD + h * D, *v = y + 2 * HD + h * D;
-        const float rq = p->scale / sqrtf(sum_squares(q, D) + 1e-6f);
-        const float rk = 1.0f / sqrtf(sum_squares(k, D) + 1e-6f);
-        for (int64_t i = 0; i < D; i++) { qn[i] = q[i] * rq; kn[i] = k[i] * rk; }
-        const float rate = expf(p->A_log[h]);
-        const float *gh = p->g_raw + b * p->g_stride + h * D, *bias = p->dt_bias + h * D;
-        for (int64_t i = 0; i < D; i++) {
-            const float gi = gh[i] + bias[i];
-            a[i] = expf(p->has_lower_bound ? p->lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
-        }
-        const float beta = sigmoidf(p->beta_raw[b * p->beta_stride + h]);
-        const float *Si = p->S_in + (row * H + h) * D * D;
-        float *So = p->S_out + (row * H + h) * D * D;
-        /* sweep 1: decay, and S^T k */
-        for (int64_t j = 0; j < D; j++) kS[j] = 0.0f;
-        for (int64_t i = 0; i < D; i++) {
-            const float ai = a[i], ki = kn[i];
-            for (int64_t j = 0; j < D; j++) {
-                const float s = Si[i * D + j] * ai;
-                So[i * D + j] = s;
-                kS[j] += ki * s;
-            }
-        }
-        /* sweep 2: the delta-rule write beta k (v - S^T k)^T, and o = S^T q */
-        for (int64_t j = 0; j < D; j++) { kS[j] = v[j] - kS[j]; o[j] = 0.0f; }
-        for (int64_t i = 0; i < D; i++) {
-            const float bk = beta * kn[i], qi = qn[i];
-            for (int64_t j = 0; j < D; j++) {
-                const float s = So[i * D + j] + bk * kS[j];
-                So[i * D + j] = s;
-                o[j] += qi * s;
-            }
-        }
-        /* gated output norm */
-        const float *gate = p->gate_raw + b * p->gate_stride + h * D;
-        float *oh = p->out + b * HD + h * D;
-        rms_norm_row(o, p->norm_w, p->norm_eps, D, oh);
-        for (int64_t j = 0; j < D; j++) oh[j] *= sigmoidf(gate[j]);
+    for (int64_t j = 0; j + 1 < W - 1; j++) memmove(wo + j * C, wi + (j + 1) * C, (size_t)D * sizeof(float));
+    memcpy(wo + (W - 2) * C, x, (size_t)D * sizeof(float));
+}
+
+/* kda_decode_f32's work for head h of sequence b, in state row `row`: its channels of the conv, its gates, its
+ * memory update and its gated output norm (heads share nothing, so the (sequence, head) pairs split between
+ * threads even for one sequence). */
+static void kda_decode_head(const KDAStep *p, int64_t b, int64_t row, int64_t h)
+{
+    const int64_t H = p->H, D = p->D, HD = H * D;
+    float q[D], k[D], v[D], kS[D], o[D], a[D], kn[D], qn[D];
+    conv_channels(p, b, row, h * D, q);
+    conv_channels(p, b, row, HD + h * D, k);
+    conv_channels(p, b, row, 2 * HD + h * D, v);
+    const float rq = p->scale / sqrtf(sum_squares(q, D) + 1e-6f);
+    const float rk = 1.0f / sqrtf(sum_squares(k, D) + 1e-6f);
+    for (int64_t i = 0; i < D; i++) { qn[i] = q[i] * rq; kn[i] = k[i] * rk; }
+    const float rate = expf(p->A_log[h]);
+    const float *gh = p->g_raw + b * p->g_stride + h * D, *bias = p->dt_bias + h * D;
+    for (int64_t i = 0; i < D; i++) {
+        const float gi = gh[i] + bias[i];
+        a[i] = expf(p->has_lower_bound ? p->lower_bound * sigmoidf(rate * gi) : -rate * softplusf(gi));
     }
+    const float beta = sigmoidf(p->beta_raw[b * p->beta_stride + h]);
+    const float *Si = p->S_in + (row * H + h) * D * D;
+    float *So = p->S_out + (row * H + h) * D * D;
+    /* sweep 1: decay, and S^T k */
+    for (int64_t j = 0; j < D; j++) kS[j] = 0.0f;
+    for (int64_t i = 0; i < D; i++) {
+        const float ai = a[i], ki = kn[i];
+        for (int64_t j = 0; j < D; j++) {
+            const float s = Si[i * D + j] * ai;
+            So[i * D + j] = s;
+            kS[j] += ki * s;
+        }
+    }
+    /* sweep 2: the delta-rule write beta k (v - S^T k)^T, and o = S^T q */
+    for (int64_t j = 0; j < D; j++) { kS[j] = v[j] - kS[j]; o[j] = 0.0f; }
+    for (int64_t i = 0; i < D; i++) {
+        const float bk = beta * kn[i], qi = qn[i];
+        for (int64_t j = 0; j < D; j++) {
+            const float s = So[i * D + j] + bk * kS[j];
+            So[i * D + j] = s;
+            o[j] += qi * s;
+        }
+    }
+    /* gated output norm */
+    const float *gate = p->gate_raw + b * p->gate_stride + h * D;
+    float *oh = p->out + b * HD + h * D;
+    rms_norm_row(o, p->norm_w, p->norm_eps, D, oh);
+    for (int64_t j = 0; j < D; j++) oh[j] *= sigmoidf(gate[j]);
 }
 
 /* One KDA decode token for B sequences: the short convolution, the gates, the delta-rule update and the gated
@@ -149,8 +156,9 @@ static void kda_decode_row(const KDAStep *p, int64_t b, int64_t row)
  * Per head, with q, k l2-normalised (eps 1e-6) and a_i = exp(log_decay_i):
  *   S <- diag(a) S;  S <- S + beta k (v - S^T k)^T;  o = scale * S^T q
  * computed in two sweeps over S (decay with S^T k, then the update with S^T q), each along contiguous rows.
- * Sequences are split between `threads` threads (distinct rows: a serving pool's scratch row shared by padding
- * rows is written by several, and never read). Returns 0, or -1 (nothing written) when a row index is outside
+ * The (sequence, head) pairs are split between `threads` threads, so one sequence's heads run side by side
+ * (distinct rows and heads: a serving pool's scratch row shared by padding rows is written by several, and never
+ * read). Returns 0, or -1 (nothing written) when a row index is outside
  * [0, n_rows).
  */
 int32_t kda_decode_f32(
@@ -172,9 +180,9 @@ int32_t kda_decode_f32(
                        lower_bound, norm_eps, scale};
     (void)threads;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static) if (B > 1)
+#pragma omp parallel for num_threads(threads) schedule(static) if (B * H > 1)
 #endif
-    for (int64_t b = 0; b < B; b++) kda_decode_row(&p, b, rows ? rows[b] : b);
+    for (int64_t bh = 0; bh < B * H; bh++) kda_decode_head(&p, bh / H, rows ? rows[bh / H] : bh / H, bh % H);
     return 0;
 }
 
