@@ -59,7 +59,6 @@ from .chunk_common import (
     sub_block_totals,
     tf32_operand,
 )
-from .chunk_wy import NEAR_ROWS
 from .fastmath import fast_exp
 from .transforms import sigmoid, softplus_sigmoid
 
@@ -218,82 +217,18 @@ def diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, 
 
 
 @triton.jit
-def rows_at(p, bos, r0, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, o_r, m_r):
-    """Rows ``r0 + o_r`` (a vector of row offsets) of a ``[*, NH, W]`` tensor at columns o_c as float32, zero where
-    not ``m_r``: [len(o_r), len(o_c)]."""
-    p_x = p + ((bos + r0) * NH + i_h) * W
-    m = m_r[:, None] & (o_c < W)[None, :]
-    return tl.load(p_x + (o_r * (NH * W))[:, None] + o_c[None, :], mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def normed_rows_at(x, rx, bos, r0, i_h, H: tl.constexpr, K: tl.constexpr, o_k, o_r, m_r,
-                   USE_QK_L2NORM: tl.constexpr):
-    """:func:`rows_at` of q or k times their l2norm factors ``rx`` (as the sub-block's own tiles are)."""
-    b_x = rows_at(x, bos, r0, i_h, H, K, o_k, o_r, m_r)
-    if USE_QK_L2NORM:
-        b_x *= tl.load(rx + (bos + r0) * H + i_h + o_r * H, mask=m_r, other=0.0)[:, None]
-    return b_x
-
-
-@triton.jit
-def near_pair_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, q, k, gP, rq, rk, bos, r0, T_n, i_h,
-                    i_hv, o_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-                    USE_QK_L2NORM: tl.constexpr):
-    """The pairs (i, i - D) inside NEAR_ROWS-row blocks (D = 1 .. 3: the pairs levels 4 and 2 of
-    :func:`diagonal_level_grads` would take) added elementwise in float32, as the forward takes them
-    (chunk_wy.near_pairs): with ``e = exp(gP_i - gP_j)`` (a gate sum over at most three steps, <= 0, exact at any
-    gate) and a = dAq[i, j], b = dAk[i, j],
-
-        dq_i += a e k_j      dk_rows_i += b e k_j      dk_cols_j += e (a q_i + b k_i)
-
-    and dG gains the row share at i and loses the same number at j. Row j's partner rows are second loads of the
-    sub-block's rows shifted by D (L1 hits); each column's dA entries are picked out of the [BC, BC] tiles."""
-    W: tl.constexpr = NEAR_ROWS
-    o_r = tl.arange(0, BC)
-    for D in tl.static_range(1, W):
-        m_sub = (o_r[:, None] - D) == o_r[None, :]                        # [BC, BC] the D-th subdiagonal
-        # rows i against column j = i - D
-        m_i = ((o_r % W) >= D) & (r0 + o_r < T_n)
-        o_j = tl.where(m_i, o_r - D, o_r)
-        b_kj = normed_rows_at(k, rk, bos, r0, i_h, H, K, o_k, o_j, m_i, USE_QK_L2NORM)        # [BC, BK]
-        b_Pj = rows_at(gP, bos, r0, i_hv, HV, K, o_k, o_j, m_i)
-        b_ke = b_kj * fast_exp(tl.where(m_i[:, None], b_P - b_Pj, 0.0))
-        b_rq = tl.sum(tl.where(m_sub, b_dAq, 0.0), 1)[:, None] * b_ke                        # [BC, BK]
-        b_rk = tl.sum(tl.where(m_sub, b_dAk, 0.0), 1)[:, None] * b_ke
-        b_dq += b_rq
-        b_dkr += b_rk
-        b_dG += b_q * b_rq + b_k * b_rk
-        # columns j against row i = j + D
-        m_j = ((o_r % W) + D < W) & (r0 + o_r + D < T_n)
-        o_i = tl.where(m_j, o_r + D, o_r)
-        b_qi = normed_rows_at(q, rq, bos, r0, i_h, H, K, o_k, o_i, m_j, USE_QK_L2NORM)        # [BC, BK]
-        b_ki = normed_rows_at(k, rk, bos, r0, i_h, H, K, o_k, o_i, m_j, USE_QK_L2NORM)
-        b_Pi = rows_at(gP, bos, r0, i_hv, HV, K, o_k, o_i, m_j)
-        b_a = tl.sum(tl.where(m_sub, b_dAq, 0.0), 0)                                          # [BC] dAq[j + D, j]
-        b_b = tl.sum(tl.where(m_sub, b_dAk, 0.0), 0)
-        b_c = (b_a[:, None] * b_qi + b_b[:, None] * b_ki) * fast_exp(tl.where(m_j[:, None], b_Pi - b_P, 0.0))
-        b_dkc += b_c
-        b_dG -= b_k * b_c
-    return b_dq, b_dkr, b_dkc, b_dG
-
-
-@triton.jit
-def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, q, k, gP, rq, rk, bos, r0, T_n, i_h, i_hv, o_k,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                   USE_QK_L2NORM: tl.constexpr):
+def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0, T_n, i_hv, o_k,
+                   HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """The diagonal block's score gradients added to the sub-block's (dq, dk from rows, dk from columns), [BC, BK]
     each, for q, k (normalised), gP of one sub-block (rows r0 .. r0 + BC, channels o_k) and the block's dAqk,
     dAkk, both strictly lower (Aqk's diagonal is the caller's, see :func:`separable_grads`); returned with the
-    sub-block's gate gradient ``dG = q dq + k (dk_rows - dk_columns)``. (q, k, rq, rk: the tensors, for the
-    near pairs' shifted rows.)
+    sub-block's gate gradient ``dG = q dq + k (dk_rows - dk_columns)``.
 
     When every |gP| < SAFE_EXP, ``exp(gP_i - gP_j) = exp(gP_i) exp(-gP_j)`` (both factors fit float32): four
     products. Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows) every pair
-    j < i that crosses a 4-row boundary is factored through a reference row r, j <= r < i, ``exp(gP_i - gP_r)
-    exp(gP_r - gP_j)``, both factors <= 1, by the levels S = 16, 8 of the forward (chunk_wy.diagonal_levels): four
-    products per level (:func:`diagonal_level_grads`, which also adds the block's share of dG); the pairs inside
-    4-row blocks go elementwise (:func:`near_pair_grads`); exact at any gate."""
+    j < i is factored through a reference row r, j <= r < i, ``exp(gP_i - gP_r) exp(gP_r - gP_j)``, both factors
+    <= 1, by the four levels S = 16, 8, 4, 2 of the forward (chunk_wy.diagonal_levels): four products per level
+    (:func:`diagonal_level_grads`, which also adds the block's share of dG), exact at any gate."""
     if tl.max(tl.abs(b_P)) < SAFE_EXP:
         b_e = tl.exp(b_P)
         b_ie = tl.exp(-b_P)
@@ -308,9 +243,10 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, q, k, gP, rq
                                                         bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 16)
         b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
                                                         bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 8)
-        b_dq, b_dkr, b_dkc, b_dG = near_pair_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, q, k, gP,
-                                                   rq, rk, bos, r0, T_n, i_h, i_hv, o_k, H, HV, K, BC,
-                                                   USE_QK_L2NORM)
+        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 4)
+        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 2)
     return b_dq, b_dkr, b_dkc, b_dG
 
 
@@ -437,8 +373,7 @@ def sub_block_grads(
     # (diagonal_grads). (Aqk's diagonal, factor 1, adds to dq and dk in float32 and nothing to dG: its row and
     # column shares cancel.)
     b_dq, b_dkr, b_dkc, b_dG = diagonal_grads(b_dq, b_dkr, b_dkc, tl.where(m_d, 0.0, b_dAq), b_dAk, b_qS, b_kS,
-                                              b_PS, q, k, gP, rq, rk, bos, rS, T_n, i_h, i_hv, o_k, H, HV, K, BC, PREC,
-                                              USE_QK_L2NORM)
+                                              b_PS, gP, bos, rS, T_n, i_hv, o_k, HV, K, BC, PREC)
     b_dq += b_d[:, None] * b_kS + load_rows(dq_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     b_dk = b_dkr + b_dkc + b_d[:, None] * b_qS + load_rows(dk_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     b_dG += load_rows(dg_p, bos, rS, T_n, i_hv, HV, K, o_k, BC)
