@@ -96,22 +96,26 @@ def test_kda_decode_tokens_match_float64(ran, regime, lower_bound, full_rank, B,
     assert rel_err(state.conv, state64.conv) < 1e-6
 
 
-def test_kda_decode_in_pool_rows_leaves_other_rows(ran):
-    """A serving pool: rows 4 and 1 updated in place; the others untouched, bit for bit."""
+@pytest.mark.parametrize("rows,threads", [([4, 1], 2), ([4], 2), ([4], 1)])
+def test_kda_decode_in_pool_rows_leaves_other_rows(ran, rows, threads, monkeypatch):
+    """A serving pool: its rows ``rows`` updated in place; the others untouched, bit for bit. One sequence on two
+    threads splits its heads between them (each head's channels of the window moved on in place); two sequences
+    or one thread go sequence by sequence."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     m = kda_layer("init")
     ref = copy.deepcopy(m).double()
     gen = torch.Generator().manual_seed(4)
     conv_pool, rec_pool = torch.randn(6, 3, 144, generator=gen), torch.randn(6, 3, 16, 16, generator=gen) * 0.3
-    index = torch.tensor([4, 1])
+    index = torch.tensor(rows)
     pooled = PooledKDAState(conv_pool.clone(), rec_pool.clone(), index)
     state64 = kda_module.KDAState(conv_pool[index].double(), rec_pool[index].clone())   # (memories: float32)
-    x = torch.randn(2, 3, 48, generator=gen)
+    x = torch.randn(len(rows), 3, 48, generator=gen)
     with torch.no_grad():
         for t in range(3):
             got, want = m(x[:, t : t + 1], pooled), ref(x[:, t : t + 1].double(), state64)
             assert rel_err(got, want) < 2e-5
     assert ran["kda"] == 3
-    others = [0, 2, 3, 5]
+    others = [r for r in range(6) if r not in rows]
     assert torch.equal(pooled.rec_pool[others], rec_pool[others]) and torch.equal(pooled.conv_pool[others],
                                                                                    conv_pool[others])
     assert rel_err(pooled.rec_pool[index], state64.recurrent) < 2e-5
