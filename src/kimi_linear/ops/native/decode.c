@@ -170,8 +170,7 @@ static void kda_decode_heads(const KDAStep *p, int64_t b, int64_t row, int64_t h
  * computed in two sweeps over S (decay with S^T k, then the update with S^T q), each along contiguous rows.
  * Sequences, or with fewer sequences than `threads` their (sequence, head) pairs, are split between the threads
  * (distinct rows and heads: a serving pool's scratch row shared by padding rows is written by several, and never
- * read). Returns 0, or -1 (nothing written) when a row index is outside
- * [0, n_rows).
+ * read). Returns 0, or -1 (nothing written) when a row index is outside [0, n_rows).
  */
 int32_t kda_decode_f32(
     int64_t B, int64_t H, int64_t D, int64_t W, int64_t n_rows,
