@@ -279,13 +279,15 @@ def test_wide_keys_forward_and_final_state():
 def test_strong_decay(case, dtype, monkeypatch):
     """The strong-decay regime of issue 20 against the float64 reference: every 16-row sub-block's gate sum far
     below -SAFE_EXP, so ``exp(-gP_j)`` overflows float32 and the diagonal blocks must take the reference-row levels
-    (chunk_wy.diagonal_levels, counted: the test fails if they are not taken). The in-kernel softplus gate with
+    (chunk_wy.diagonal_levels) for float32 inputs and the clamped steps (chunk_wy.clamped_diagonal_factors) for
+    bf16 (counted: the test fails if they are not taken). The in-kernel softplus gate with
     A_log = log U(1, 16) (about -6.7 a step) and l2norm over GVA; mild and strong channels (and -1000 steps) in the
     same chunks (test cases: triton_cases.mixed_gates), also packed with lengths that are not multiples of 64
     and an empty sequence; -1000 on every 7th step and 0 on every 5th. Lengths 130 and 200, initial states."""
     from kimi_linear.ops.triton import chunk_wy
 
-    calls = spy_calls(monkeypatch, chunk_wy, "diagonal_levels")
+    strong_path = "diagonal_levels" if dtype == torch.float32 else "clamped_diagonal_factors"
+    calls = spy_calls(monkeypatch, chunk_wy, strong_path)
     cu, opts, bar = None, NO_OPTIONS, tol(dtype)
     if case.startswith("softplus"):
         x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=60)

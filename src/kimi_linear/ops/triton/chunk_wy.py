@@ -213,6 +213,79 @@ def diagonal_levels(
     return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
 
 
+# Strong channel steps of 16-bit inputs: each step of the gate steeper than -DIAG_CLAMP counts as -DIAG_CLAMP in the
+# diagonal blocks' factors (clamped_diagonal_factors), so a 16-row block falls by at most 15 * DIAG_CLAMP = 150 and
+# its factors through the block's midpoint stay within exp(+-75). A pair across a clamped step has its factor
+# below exp(-DIAG_CLAMP) = 4.5e-5 both before and after the clamp, and that difference is under a tenth of the
+# tf32 rounding (2^-11 of each operand) that every 16-bit score product already carries.
+DIAG_CLAMP: tl.constexpr = tl.constexpr(10.0)
+
+
+@triton.jit
+def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k,
+                             BT: tl.constexpr, BC: tl.constexpr):
+    """Row and column factors ``exp(c_i - m)``, ``exp(m - c_j)`` ([BT, BKS] float32 each, zero on rows past T_n)
+    whose product is the diagonal blocks' ``exp(gP_i - gP_j)`` at any gate, to 16-bit precision: ``c`` sums the
+    gate's steps clamped at -DIAG_CLAMP, ``m`` is the midpoint of ``c`` over each 16-row sub-block.
+
+    Where no step between j and i is clamped, ``c_i - c_j = gP_i - gP_j``; where one is, both the exact factor and
+    the clamped one are below exp(-DIAG_CLAMP). Each sub-block's ``c`` falls by at most 15 DIAG_CLAMP, so both
+    factors stay within exp(+-7.5 DIAG_CLAMP): one tensor-core product per channel step, as for mild gates, where
+    the exact reference-row levels (:func:`diagonal_levels`, kept for float32 inputs) take several. ``b_P``: gP of
+    the chunk's rows at channels o_k (zero past T_n); the previous row's gP is a second load (L1 hits)."""
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t) < T_n                                                  # [BT] rows of the sequence
+    m_s = m_t & ((o_t % BC) != 0)                                           # [BT] rows with a step inside the block
+    o_p = tl.where(m_s, o_t - 1, o_t)
+    p_x = gP + ((bos + t0) * HV + i_hv) * K
+    b_Pp = tl.load(p_x + (o_p * (HV * K))[:, None] + o_k[None, :], mask=m_s[:, None] & (o_k < K)[None, :],
+                   other=0.0)                                               # [BT, BKS] gP of the row before
+    b_s = tl.where(m_s[:, None], tl.maximum(b_P - b_Pp, -DIAG_CLAMP), 0.0)  # [BT, BKS] clamped steps
+    # one running sum over the chunk: a constant per sub-block cancels against that sub-block's midpoint
+    b_c = tl.cumsum(b_s, 0)                                                 # [BT, BKS]
+    s_r = (o_t // BC)[:, None]                                              # [BT, 1] sub-block of each row
+    b_m = tl.zeros_like(b_c)
+    for b in tl.static_range(NB):
+        m_b = (s_r == b) & m_t[:, None]
+        b_hi = tl.max(tl.where(m_b, b_c, float("-inf")), 0)                 # [BKS] c at the block's first row
+        b_lo = tl.min(tl.where(m_b, b_c, float("inf")), 0)                  # [BKS] c at its last valid row
+        b_m = tl.where(s_r == b, ((b_hi + b_lo) * 0.5)[None, :], b_m)      # [BT, BKS] midpoint of the row's block
+    b_x = tl.where(m_t[:, None], b_c - b_m, 0.0)
+    return tl.where(m_t[:, None], fast_exp(b_x), 0.0), tl.where(m_t[:, None], fast_exp(-b_x), 0.0)
+
+
+@triton.jit
+def clamped_diagonal(
+    q, k, gP, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`), 16-bit
+    inputs: per matrix and step one batched product over the chunk's four sub-blocks ([NB, BC, BKS] x
+    [NB, BKS, BC], a quarter of a [BT, BT] product's work) through :func:`clamped_diagonal_factors`. Returns
+    [BT, BT] float32 tiles, zero off the diagonal blocks and above the diagonal. A loop of its own before the
+    chunk's other products, as :func:`diagonal_levels` is for float32, so that the main loop keeps its registers;
+    a mild step's q and k are zeroed rather than branched around (every load of the step issues at once)."""
+    NB: tl.constexpr = BT // BC
+    o_i = tl.arange(0, BC)
+    b_aq = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_ak = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)
+        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                             # [BT, BKS]
+        b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)    # [BT, BKS] x2
+        b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
+        b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
+        b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
+    # pairs above the diagonal may have overflowed: only ever selected away
+    m_low = (o_i[:, None] >= o_i[None, :])[None, :, :]                      # [1, BC, BC] j <= i
+    return (block_diagonal(tl.where(m_low, b_aq, 0.0), BT, BC),
+            block_diagonal(tl.where(m_low, b_ak, 0.0), BT, BC))
+
 @triton.jit
 def chunk_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
@@ -229,13 +302,14 @@ def chunk_scores(
     * diagonal blocks: ``exp(gP_i) exp(-gP_j)`` (one product), when every sub-block's gate sum is above
       -SAFE_EXP, so that ``exp(-gP_j)`` fits float32.
 
-    The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`) are
-    :func:`diagonal_levels`' four products per matrix through reference rows, computed first (when the chunk has
-    any such step) as the accumulators' starting values. ``exp(gP)`` and ``exp(tot - gP)`` are the only full-tile
-    exponentials of the first two: the links between sub-blocks are per-channel vectors. Each product spans the
-    whole chunk (operands are zero outside their rows, the diagonal product is masked), so all are
-    [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below
-    the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
+    The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`)
+    are computed first (when the chunk has any such step) as the accumulators' starting values: for 16-bit inputs
+    (``PREC`` "tf32") one batched product per step through clamped gate steps (:func:`clamped_diagonal`), for
+    float32 inputs :func:`diagonal_levels`' products through reference rows, exact at any gate. ``exp(gP)`` and
+    ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between sub-blocks are
+    per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows, the diagonal
+    product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles
+    (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
     s = o_t // BC                                                          # [BT] sub-block of each row
@@ -244,10 +318,13 @@ def chunk_scores(
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
-        # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged). Strong
-        # or not is still decided per BKS-channel step, as the diagonal product below decides it.
-        b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
+        if PREC == "tf32":
+            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
+        else:
+            # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
+            # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged).
+            # Strong or not is still decided per BKS-channel step, as the diagonal product below decides it.
+            b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
