@@ -254,7 +254,7 @@ def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: t
 def clamped_diagonal(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STEP: tl.constexpr,
 ):
     """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`), 16-bit
     inputs: per matrix and step one batched product over the chunk's four sub-blocks ([NB, BC, BKS] x
@@ -268,7 +268,8 @@ def clamped_diagonal(
     b_ak = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)
+        # strong or not by the main loop's channel step (STEP channels) holding o_k
+        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
         b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                             # [BT, BKS]
         b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
         b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
@@ -314,7 +315,7 @@ def chunk_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
         if PREC == "tf32":
-            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC)
+            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
         else:
             # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
             # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged).
