@@ -309,6 +309,34 @@ def test_strong_decay(case, dtype, monkeypatch):
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
 
 
+def test_clamped_diagonal_at_the_clamp():
+    """bf16 strong decay's diagonal blocks through clamped gate steps (chunk_wy.clamped_diagonal), checked on Akk
+    itself (float32, before any inverse) against float64: channels stepping -9.9 (just above the clamp, so a
+    sub-block falls by ~149 and the factors reach exp(+-74)), channels alternating -10.5 (clamped) and -0.5, and
+    -1000 steps. Every kept entry within 2e-3 of the largest (tf32 operands); a clamp of 6 or less, or factors
+    that skip the midpoint, fail it."""
+    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
+
+    T, K = 100, 32
+    x = make_inputs(B=1, T=T, H=1, K=K, V=16, dtype=torch.bfloat16, seed=72)
+    steps = torch.where(torch.arange(K) % 2 == 0, -9.9, torch.where(torch.arange(T)[:, None] % 2 == 0, -10.5, -0.5))
+    steps[::13, 8:16] = -1000.0
+    x["g"] = steps[None, :, None, :].to(torch.bfloat16)
+    p = Problem(x["q"], x["v"], None, NO_OPTIONS, LaunchConfig())
+    pc = forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], None, False)
+    k, g = x["k"][0, :, 0].double(), x["g"][0, :, 0].double()
+    err, top = 0.0, 0.0
+    for b0 in range(0, T, 16):                                       # each 16-row sub-block
+        r = slice(b0, min(b0 + 16, T))
+        G = g[r].cumsum(0)                                           # [L, K]
+        low = torch.ones(len(G), len(G), dtype=torch.bool).tril(-1)[:, :, None]          # pairs j < i
+        ref = torch.einsum("ic,jc,ijc->ij", k[r], k[r], torch.exp(torch.where(low, G[:, None] - G[None, :], -1e9)))
+        got = pc.Akk[0, r, 0, b0 % 64: b0 % 64 + r.stop - r.start].double().tril(-1)
+        err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
+    assert torch.isfinite(pc.Akk).all()
+    assert err < 2e-3 * top, (err, top)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
     """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the sub-block

@@ -10,9 +10,10 @@ HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) nee
 sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
 between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
 diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
-is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) ``exp(gP_i - gP_r) exp(gP_r - gP_j)`` through
-a reference row r between j and i, both factors <= 1, in two batched products per matrix (one per level of 16
-and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row blocks elementwise
+is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) one batched product through gate steps clamped
+at -DIAG_CLAMP for 16-bit inputs (:func:`clamped_diagonal`), or for float32 ``exp(gP_i - gP_r) exp(gP_r - gP_j)``
+through a reference row r between j and i, both factors <= 1, in two batched products per matrix (one per level
+of 16 and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row blocks elementwise
 (:func:`diagonal_levels`). With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and stores)
 the row factors.
 
@@ -261,7 +262,9 @@ def clamped_diagonal(
     [NB, BKS, BC], a quarter of a [BT, BT] product's work) through :func:`clamped_diagonal_factors`. Returns
     [BT, BT] float32 tiles, zero off the diagonal blocks and above the diagonal. A loop of its own before the
     chunk's other products, as :func:`diagonal_levels` is for float32, so that the main loop keeps its registers;
-    a mild step's q and k are zeroed rather than branched around (every load of the step issues at once)."""
+    a mild step's q and k are zeroed rather than branched around (every load of the step issues at once). BKS = 16
+    channels a step, strong or not decided per STEP-channel step of the main loop (H100, 16 x 2048, strong decay:
+    scores 2.21 ms against 2.34 with 32-channel steps and 2.46 with the reference-row levels)."""
     NB: tl.constexpr = BT // BC
     o_i = tl.arange(0, BC)
     b_aq = tl.zeros([NB, BC, BC], dtype=tl.float32)
