@@ -37,6 +37,7 @@ from .chunk_common import (
     chunk_coords,
     chunk_gate_terms,
     chunk_separable,
+    clamped_diagonal_factors,
     diagonal_block_inverses,
     gate_terms,
     grid_coords,
@@ -212,43 +213,6 @@ def diagonal_levels(
         b_aq += off_diagonal(tl.sum(tl.where((o_w == D)[None, :], b_nq, 0.0), 1), D, BT)
         b_ak += off_diagonal(tl.sum(tl.where((o_w == D)[None, :], b_nk, 0.0), 1), D, BT)
     return b_aq + tl.where(o_t[:, None] == o_t[None, :], b_d[:, None], 0.0), b_ak
-
-
-# Strong channel steps of 16-bit inputs: each step of the gate steeper than -DIAG_CLAMP counts as -DIAG_CLAMP in the
-# diagonal blocks' factors (clamped_diagonal_factors), so a 16-row block falls by at most 15 * DIAG_CLAMP = 150 and
-# its factors through the block's midpoint stay within exp(+-75). A pair across a clamped step has its factor
-# below exp(-DIAG_CLAMP) = 4.5e-5 both before and after the clamp, and that difference is under a tenth of the
-# tf32 rounding (2^-11 of each operand) that every 16-bit score product already carries.
-DIAG_CLAMP: tl.constexpr = tl.constexpr(10.0)
-
-
-@triton.jit
-def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k,
-                             BT: tl.constexpr, BC: tl.constexpr):
-    """Row and column factors ``exp(c_i - m)``, ``exp(m - c_j)`` ([BT, BKS] float32 each, zero on rows past T_n)
-    whose product is the diagonal blocks' ``exp(gP_i - gP_j)`` at any gate, to 16-bit precision: ``c`` sums the
-    gate's steps clamped at -DIAG_CLAMP, ``m`` is the midpoint of ``c`` over each 16-row sub-block.
-
-    Where no step between j and i is clamped, ``c_i - c_j = gP_i - gP_j``; where one is, both the exact factor and
-    the clamped one are below exp(-DIAG_CLAMP). Each sub-block's ``c`` falls by at most 15 DIAG_CLAMP, so both
-    factors stay within exp(+-7.5 DIAG_CLAMP): one tensor-core product per channel step, as for mild gates, where
-    the exact reference-row levels (:func:`diagonal_levels`, kept for float32 inputs) take several. ``b_P``: gP of
-    the chunk's rows at channels o_k (zero past T_n); the previous row's gP is a second load (L1 hits)."""
-    o_t = tl.arange(0, BT)
-    m_t = (t0 + o_t) < T_n                                                  # [BT] rows of the sequence
-    m_s = m_t & ((o_t % BC) != 0)                                           # [BT] rows with a step inside the block
-    o_p = tl.where(m_s, o_t - 1, o_t)
-    p_x = gP + ((bos + t0) * HV + i_hv) * K
-    b_Pp = tl.load(p_x + (o_p * (HV * K))[:, None] + o_k[None, :], mask=m_s[:, None] & (o_k < K)[None, :],
-                   other=0.0)                                               # [BT, BKS] gP of the row before
-    b_s = tl.where(m_s[:, None], tl.maximum(b_P - b_Pp, -DIAG_CLAMP), 0.0)  # [BT, BKS] clamped steps
-    # c - m = M s with M[i, t] = [t <= i] - 1/2 inside each sub-block: the running sum of the clamped steps minus
-    # half its total (c is 0 at a block's first row, its total at the last). A tensor-core product instead of a
-    # scan and eight row reductions; M's entries are exact in tf32, and tf32x3 keeps the steps' float32 bits.
-    o_s = o_t // BC
-    b_M = tl.where(o_s[:, None] == o_s[None, :], tl.where(o_t[None, :] <= o_t[:, None], 0.5, -0.5), 0.0)
-    b_x = tl.where(m_t[:, None], mm(b_M, b_s, "tf32x3"), 0.0)               # [BT, BKS]
-    return tl.where(m_t[:, None], fast_exp(b_x), 0.0), tl.where(m_t[:, None], fast_exp(-b_x), 0.0)
 
 
 @triton.jit
