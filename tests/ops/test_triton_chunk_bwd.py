@@ -260,9 +260,8 @@ def test_float16_gate_parameter_gradients_masked_gates():
 def test_strong_decay_gradients(case, dtype, monkeypatch):
     """Gradients of every input (dq, dk, dv, dbeta, dg, the initial state; dA_log and ddt_bias through the
     in-kernel softplus gate with A_log = log U(1, 16), about -6.7 a step) in the strong-decay regime of issue 20,
-    where the diagonal blocks' score gradients must take the reference-row levels (chunk_bwd.diagonal_level_grads)
-    for float32 inputs and the clamped gate steps (chunk_bwd.clamped_diagonal_grads) for bf16 (counted). Mild and
-    strong channels and -1000 steps in the same chunks, packed sequences of 70 and 130 tokens
+    where the diagonal blocks' score gradients must take the reference-row levels (chunk_bwd.diagonal_level_grads,
+    counted). Mild and strong channels and -1000 steps in the same chunks, packed sequences of 70 and 130 tokens
     and an empty one; -1000 on every 7th step and 0 on every 5th. Float32 bar 1e-4, bf16 2e-2 (the file's), and
     6e-3 for bf16 dA_log and ddt_bias: they sum dG over every token, weighted by gates of about -6.7, so the
     diagonal blocks' row and column shares of dG must cancel pair by pair (chunk_bwd.diagonal_level_grads forms
@@ -270,8 +269,7 @@ def test_strong_decay_gradients(case, dtype, monkeypatch):
     1.3e-2 and 6.8e-3 off here; 2.1e-3 and 3.4e-3 as they are."""
     from kimi_linear.ops.triton import chunk_bwd
 
-    calls = spy_calls(monkeypatch, chunk_bwd,
-                      "diagonal_level_grads" if dtype == torch.float32 else "clamped_diagonal_grads")
+    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
     bar = 1e-4 if dtype == torch.float32 else 2e-2
     if case.startswith("softplus"):
         opts, params = strong_gate(2, 32, seed=71)
