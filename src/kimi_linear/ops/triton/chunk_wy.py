@@ -156,6 +156,21 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, o_k, c0, STEP: tl.constexpr):
+    """A strong-diagonal pass's tiles at channels o_k: gP, and k and q as float32, [BT, len(o_k)] each; k and q are
+    zero unless the step is strong as :func:`chunk_scores` decides it, by its channel step (STEP channels) holding
+    o_k. A mild step's q and k are zeroed rather than branched around: with every load of the step unconditional,
+    they all issue at once, where a branch on the totals made each step wait for two dependent rounds of loads
+    (H200, 16 x 2048 strong decay: scores 2.73 -> 2.61 ms, other regimes unchanged)."""
+    strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
+    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+    b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)
+    b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)
+    return b_P, b_k, b_q
+
+
+@triton.jit
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
@@ -190,14 +205,7 @@ def diagonal_levels(
     b_d = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        # strong or not as :func:`chunk_scores` decides it: by its channel step (STEP channels) holding o_k. A mild
-        # step's q and k are zeroed rather than branched around: with every load of the step unconditional, they
-        # all issue at once, where a branch on the totals made each step wait for two dependent rounds of loads
-        # (H200, 16 x 2048 strong decay: scores 2.73 -> 2.61 ms, other regimes unchanged)
-        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
-        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                             # [BT, BKS]
-        b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
-        b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_P, b_k, b_q = strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, o_k, c0, STEP)
         b_d += tl.sum(b_q * b_k, 1)
         for D in tl.static_range(1, NEAR):
             b_aj, b_kj = near_pairs(b_q, b_k, b_P, k, gP, bos, t0, T_n, i_h, i_hv, o_k, H, HV, K, BT, D, NEAR)
@@ -225,8 +233,8 @@ def clamped_diagonal(
     inputs: per matrix and step one batched product over the chunk's four sub-blocks ([NB, BC, BKS] x
     [NB, BKS, BC], a quarter of a [BT, BT] product's work) through :func:`clamped_diagonal_factors`. Returns
     [BT, BT] float32 tiles, zero off the diagonal blocks and above the diagonal. A loop of its own before the
-    chunk's other products, as :func:`diagonal_levels` is for float32, so that the main loop keeps its registers;
-    a mild step's q and k are zeroed rather than branched around (every load of the step issues at once). BKS = 16
+    chunk's other products, as :func:`diagonal_levels` is for float32, so that the main loop keeps its registers
+    (its tiles: :func:`strong_step_tiles`). BKS = 16
     channels a step, strong or not decided per STEP-channel step of the main loop (H100, 16 x 2048, strong decay:
     scores 2.21 ms against 2.34 with 32-channel steps and 2.46 with the reference-row levels)."""
     NB: tl.constexpr = BT // BC
@@ -235,11 +243,7 @@ def clamped_diagonal(
     b_ak = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        # strong or not by the main loop's channel step (STEP channels) holding o_k
-        strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
-        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                             # [BT, BKS]
-        b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
-        b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)   # [BT, BKS]
+        b_P, b_k, b_q = strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, o_k, c0, STEP)
         b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)    # [BT, BKS] x2
         b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
         b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
