@@ -13,7 +13,9 @@ so with a gate of -1000 every factor that should vanish underflows to an exact 0
 differences of sums are ``tot_J - gP_j`` and, inside a diagonal 16x16 block, ``gP_i - gP_r`` and ``gP_r - gP_j``
 with r a reference row of the same sub-block between j and i (:func:`level_factor`; both <= 0): sums over at most
 15 steps, never over the whole chunk, which keeps float32 rounding of large cumulative gates out of the factors.
-(Where every sub-block's sum is above -SAFE_EXP, the diagonal blocks take ``exp(gP_i) exp(-gP_j)`` instead.)
+(Where every sub-block's sum is above -SAFE_EXP, the diagonal blocks take ``exp(gP_i) exp(-gP_j)`` instead; the
+forward's other diagonal blocks of 16-bit inputs take factors through gate steps clamped at -DIAG_CLAMP,
+:func:`clamped_diagonal_factors`, exact to 16-bit precision.)
 """
 
 from __future__ import annotations
@@ -437,9 +439,8 @@ def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: t
     Where no step between j and i is clamped, ``c_i - c_j = gP_i - gP_j``; where one is, both the exact factor and
     the clamped one are below exp(-DIAG_CLAMP). Each sub-block's ``c`` falls by at most 15 DIAG_CLAMP, so both
     factors stay within exp(+-7.5 DIAG_CLAMP): one tensor-core product per channel step, as for mild gates, where
-    the exact reference-row levels (chunk_wy.diagonal_levels, chunk_bwd.diagonal_level_grads, kept for
-    float32 inputs) take several. ``b_P``: gP of
-    the chunk's rows at channels o_k (zero past T_n); the previous row's gP is a second load (L1 hits)."""
+    the exact reference-row levels (chunk_wy.diagonal_levels, kept for float32 inputs) take several. ``b_P``: gP
+    of the chunk's rows at channels o_k (zero past T_n); the previous row's gP is a second load (L1 hits)."""
     o_t = tl.arange(0, BT)
     m_t = (t0 + o_t) < T_n                                                  # [BT] rows of the sequence
     m_s = m_t & ((o_t % BC) != 0)                                           # [BT] rows with a step inside the block
