@@ -284,8 +284,10 @@ def chunk_scores(
     m_diag = (s[None, :] == s_r) & (o_t[:, None] >= o_t[None, :])          # [BT, BT] diagonal blocks, j <= i
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    if PREC == "ieee":
-        if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
+    if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
+        if PREC == "tf32":
+            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
+        else:
             # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
             # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged).
             # Strong or not is still decided per BKS-channel step, as the diagonal product below decides it.
@@ -317,15 +319,10 @@ def chunk_scores(
         b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
         b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
         b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
-        b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-        if PREC == "tf32":
-            b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
-            b_ct = tl.trans(tf32_operand(b_k * b_cf, PREC))                # [BKS, BT]
-            b_aq += tl.where(m_diag, mm_rounded(tf32_operand(b_q * b_rf, PREC), b_ct, b_zero, PREC), 0.0)
-            b_ak += tl.where(m_diag, mm_rounded(tf32_operand(b_k * b_rf, PREC), b_ct, b_zero, PREC), 0.0)
-        elif totals_safe(b_t0, b_t1, b_t2, b_t3):
+        if totals_safe(b_t0, b_t1, b_t2, b_t3):
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
             b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
+            b_zero = tl.zeros([BT, BT], dtype=tl.float32)
             b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
             b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
     return b_aq, b_ak
@@ -446,13 +443,8 @@ def chunk_kda_fwd_scores_kernel(
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
-            if PREC == "tf32":
-                # 16 channels a step, by pointers (the descriptors' boxes are BKS wide)
-                b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC,
-                                          BK, d_q, d_k, d_gP, False)
-            else:
-                b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                          BK, d_q, d_k, d_gP, TMA)
+            b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                      BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
