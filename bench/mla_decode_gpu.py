@@ -5,6 +5,7 @@
     python bench/mla_decode_gpu.py                    # H200: (a) checks, then (b) timings; exit 1 if a check fails
     python bench/mla_decode_gpu.py --sweep            # and (c) times of other tiles / warps / split counts
     python bench/mla_decode_gpu.py --smoke            # CPU + Triton interpreter, tiny shapes: the script's logic
+    python bench/mla_decode_gpu.py --no-check --no-bench --parts 1x131072 --block-size 64   # (d) only
     python bench/mla_decode_gpu.py --offline-sm90     # no GPU: build the kernels for sm_90 (registers, spills, smem)
 
 Shapes of Kimi-Linear-48B's MLA: H = 32 heads, entries of C = 512 latent + R = 64 rope, bf16, block size 16.
@@ -20,6 +21,8 @@ Shapes of Kimi-Linear-48B's MLA: H = 32 heads, entries of C = 512 latent + R = 6
     path it replaces (the graph step's gather of every row's blocks into a dense buffer, then dense attention).
     Bandwidth = bytes of the keys read (B * len * 576 * 2) / time, against --peak (4.2 TB/s) and a device copy.
 (c) --sweep: the same op with other (BH, BN, warps, stages) and split counts, at B = 1 x 1M, 1 x 32k and 256 x 4k.
+(d) --parts 1x131072,1x4096: where a call's time goes (the split launch alone, the merge as the difference, both
+    with every row cut to 64 keys: the fixed costs of the same grid; the stream as the difference and its rate).
 
 Markdown tables on stdout; with --out DIR also mla_decode.json there.
 """
@@ -381,6 +384,45 @@ def run_sweep(cases: list[tuple[int, int]] | None = None, launches: list[tuple[i
     RESULTS["sweep"] = rows
 
 
+class NoLaunch:
+    """Stands in for a Triton kernel object: ``kernel[grid](...)`` launches nothing (run_parts)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def run_parts(cases: list[tuple[int, int]]) -> None:
+    """(d) where a call's time goes, graph replays: the whole op, the split launch alone (the merge replaced by
+    no launch), and both again with every row cut to its first tile's keys (the same grid and split count: what
+    a call costs that streams almost nothing). Whole minus split is the merge; whole minus its cut form is the
+    stream, whose bytes give the rate it streams at."""
+    rows = []
+    for B, L in cases:
+        c = Case([L] * B, S.bs, seed=B + L)
+        args = c.args()
+        run = graph_of if S.dev.type == "cuda" else (lambda f: f)
+        times = {}
+        for cut in (False, True):
+            if cut:
+                c.seq_lens.fill_(min(L, 64))
+            times[cut, "whole"] = bench_ms(run(lambda: paged_mla_decode(*args)))
+            merge, tri.mla_decode_merge_kernel = tri.mla_decode_merge_kernel, NoLaunch()
+            try:
+                times[cut, "split"] = bench_ms(run(lambda: tri.paged_mla_decode(*args)))
+            finally:
+                tri.mla_decode_merge_kernel = merge
+        stream = times[False, "whole"] - times[True, "whole"]
+        rows.append(dict(case=f"B={B} ctx={L}", whole_us=1e3 * times[False, "whole"],
+                         split_us=1e3 * times[False, "split"],
+                         merge_us=1e3 * (times[False, "whole"] - times[False, "split"]),
+                         cut_whole_us=1e3 * times[True, "whole"], cut_split_us=1e3 * times[True, "split"],
+                         stream_us=1e3 * stream, stream_GB_s=c.nbytes() / max(stream * 1e-3, 1e-12) / 1e9))
+        c = args = None
+        empty_cache()
+    table(f"(d) parts of a call, block {S.bs}, graph replays, us (cut: every row's keys cut to 64, same grid)", rows)
+    RESULTS["parts"] = rows
+
+
 # ----------------------------------------------------------------------------------------- offline sm_90 build
 def offline_sm90() -> int:
     """Compile both kernels for sm_90 without a GPU (the local Triton's ptxas) and print registers, stack (spills)
@@ -452,6 +494,9 @@ def main() -> int:
     p.add_argument("--no-bench", action="store_true", help="skip (b)")
     p.add_argument("--sweep", action="store_true", help="(c): other tiles, warps, stages and split counts")
     p.add_argument("--sweep-cases", default="", help="(c) at these rows x context pairs instead, e.g. 1x4096,1x131072")
+    p.add_argument("--parts", default="", metavar="BxL,...",
+                   help="(d) at these rows x context pairs: the whole call, the split launch alone, and both with "
+                        "every row cut to 64 keys, e.g. 1x131072,1x4096")
     p.add_argument("--offline-sm90", action="store_true", help="no GPU: compile the kernels for sm_90 and stop")
     p.add_argument("--launches", default="", metavar="BH,BN,W,S;...",
                    help="(c) these launches (tiles, warps, stages) beside the defaults instead of the built-in list")
@@ -492,6 +537,8 @@ def main() -> int:
     if a.sweep:
         cases = [tuple(int(v) for v in c.split("x")) for c in a.sweep_cases.split(",")] if a.sweep_cases else None
         run_sweep(cases, launches)
+    if a.parts:
+        run_parts([tuple(int(v) for v in c.split("x")) for c in a.parts.split(",")])
     say(f"\n{time.time() - t0:.0f} s. " + ("All checks passed." if not FAILED else "FAILED:\n- " + "\n- ".join(FAILED)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
