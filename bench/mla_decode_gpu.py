@@ -405,7 +405,7 @@ def run_parts(cases: list[tuple[int, int]]) -> None:
         for cut in (False, True):
             if cut:
                 c.seq_lens.fill_(min(L, 64))
-            times[cut, "whole"] = bench_ms(run(lambda: paged_mla_decode(*args)))
+            times[cut, "whole"] = bench_ms(run(lambda: tri.paged_mla_decode(*args)))
             merge, tri.mla_decode_merge_kernel = tri.mla_decode_merge_kernel, NoLaunch()
             try:
                 times[cut, "split"] = bench_ms(run(lambda: tri.paged_mla_decode(*args)))
@@ -478,6 +478,11 @@ def offline_sm90() -> int:
 
 
 # --------------------------------------------------------------------------------------------------------- main
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """'1x131072,128x4096' -> [(1, 131072), (128, 4096)]: rows x context pairs of (c) and (d)."""
+    return [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
+
+
 def parse_launch(text: str) -> tuple[int, int, int, int]:
     """'BH,BN,W,S' -> (BH, BN, W, S); ValueError naming the text otherwise."""
     parts = text.split(",")
@@ -535,10 +540,9 @@ def main() -> int:
     if not a.no_bench:
         run_timings(a.peak)
     if a.sweep:
-        cases = [tuple(int(v) for v in c.split("x")) for c in a.sweep_cases.split(",")] if a.sweep_cases else None
-        run_sweep(cases, launches)
+        run_sweep(parse_cases(a.sweep_cases) if a.sweep_cases else None, launches)
     if a.parts:
-        run_parts([tuple(int(v) for v in c.split("x")) for c in a.parts.split(",")])
+        run_parts(parse_cases(a.parts))
     say(f"\n{time.time() - t0:.0f} s. " + ("All checks passed." if not FAILED else "FAILED:\n- " + "\n- ".join(FAILED)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)

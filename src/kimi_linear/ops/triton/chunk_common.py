@@ -454,7 +454,7 @@ def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: t
     # scan and eight row reductions; M's entries are exact in tf32, and tf32x3 keeps the steps' float32 bits.
     o_s = o_t // BC
     b_M = tl.where(o_s[:, None] == o_s[None, :], tl.where(o_t[None, :] <= o_t[:, None], 0.5, -0.5), 0.0)
-    b_x = tl.where(m_t[:, None], mm(b_M, b_s, "tf32x3"), 0.0)               # [BT, BKS]
+    b_x = mm(b_M, b_s, "tf32x3")                                            # [BT, BKS], |b_x| <= 75
     return tl.where(m_t[:, None], fast_exp(b_x), 0.0), tl.where(m_t[:, None], fast_exp(-b_x), 0.0)
 
 

@@ -234,9 +234,9 @@ def clamped_diagonal(
     [NB, BKS, BC], a quarter of a [BT, BT] product's work) through :func:`clamped_diagonal_factors`. Returns
     [BT, BT] float32 tiles, zero off the diagonal blocks and above the diagonal. A loop of its own before the
     chunk's other products, as :func:`diagonal_levels` is for float32, so that the main loop keeps its registers
-    (its tiles: :func:`strong_step_tiles`). BKS = 16
-    channels a step, strong or not decided per STEP-channel step of the main loop (H100, 16 x 2048, strong decay:
-    scores 2.21 ms against 2.34 with 32-channel steps and 2.46 with the reference-row levels)."""
+    (its tiles: :func:`strong_step_tiles`). BKS = 16 channels a step, strong or not decided per STEP-channel step
+    of the main loop (H100, 16 x 2048, strong decay: scores 2.21 ms against 2.34 with 32-channel steps and 2.46
+    with the reference-row levels)."""
     NB: tl.constexpr = BT // BC
     o_i = tl.arange(0, BC)
     b_aq = tl.zeros([NB, BC, BC], dtype=tl.float32)
@@ -252,6 +252,7 @@ def clamped_diagonal(
     m_low = (o_i[:, None] >= o_i[None, :])[None, :, :]                      # [1, BC, BC] j <= i
     return (block_diagonal(tl.where(m_low, b_aq, 0.0), BT, BC),
             block_diagonal(tl.where(m_low, b_ak, 0.0), BT, BC))
+
 
 @triton.jit
 def chunk_scores(
