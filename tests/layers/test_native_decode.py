@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import kimi_linear.layers.kda as kda_module
 import kimi_linear.layers.mlp as mlp_module
 import kimi_linear.layers.moe as moe_module
-from kimi_linear.layers import KimiDeltaAttention, SparseMoE, SwiGLUMLP
+from kimi_linear.layers import KimiDeltaAttention, RMSNorm, SparseMoE, SwiGLUMLP
 from kimi_linear.layers.kda import PooledKDAState
 
 from ..ops.test_native import needs_cc
@@ -26,7 +26,7 @@ pytestmark = needs_cc
 @pytest.fixture
 def ran(monkeypatch):
     """Counts the calls in which each kernel wrapper ran (returned a result) instead of declining."""
-    counts = {"kda": 0, "moe": 0, "mlp": 0}
+    counts = {"kda": 0, "block": 0, "moe": 0, "mlp": 0}
 
     def spy(module, name, key):
         inner = getattr(module, name)
@@ -39,6 +39,7 @@ def ran(monkeypatch):
         monkeypatch.setattr(module, name, wrapped)
 
     spy(kda_module, "kda_decode", "kda")
+    spy(kda_module, "kda_block_decode", "block")
     spy(moe_module, "moe_decode", "moe")
     spy(mlp_module, "glu_mlp", "mlp")
     return counts
@@ -60,8 +61,9 @@ def set_gates(m: KimiDeltaAttention, regime: str, gen: torch.Generator) -> None:
         m.dt_bias.copy_(torch.empty(H * d).uniform_(1.0, 4.0, generator=gen))
 
 
-def kda_layer(regime: str, lower_bound: float | None = None, full_rank_gate: bool = False) -> KimiDeltaAttention:
-    m = KimiDeltaAttention(48, num_heads=3, head_dim=16, conv_size=4, gate_lower_bound=lower_bound,
+def kda_layer(regime: str, lower_bound: float | None = None, full_rank_gate: bool = False,
+              hidden: int = 48) -> KimiDeltaAttention:
+    m = KimiDeltaAttention(hidden, num_heads=3, head_dim=16, conv_size=4, gate_lower_bound=lower_bound,
                            full_rank_gate=full_rank_gate)
     m = randomize(m, seed=1).eval()
     set_gates(m, regime, torch.Generator().manual_seed(2))
@@ -104,22 +106,33 @@ def test_kda_decode_in_pool_rows_leaves_other_rows(ran, rows, threads, monkeypat
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     m = kda_layer("init")
     ref = copy.deepcopy(m).double()
-    gen = torch.Generator().manual_seed(4)
-    conv_pool, rec_pool = torch.randn(6, 3, 144, generator=gen), torch.randn(6, 3, 16, 16, generator=gen) * 0.3
-    index = torch.tensor(rows)
-    pooled = PooledKDAState(conv_pool.clone(), rec_pool.clone(), index)
-    state64 = kda_module.KDAState(conv_pool[index].double(), rec_pool[index].clone())   # (memories: float32)
-    x = torch.randn(len(rows), 3, 48, generator=gen)
+    pooled, state64, x = pool_and_reference(rows, seed=4)
+    start = copy.deepcopy(pooled)
     with torch.no_grad():
         for t in range(3):
             got, want = m(x[:, t : t + 1], pooled), ref(x[:, t : t + 1].double(), state64)
             assert rel_err(got, want) < 2e-5
     assert ran["kda"] == 3
-    others = [r for r in range(6) if r not in rows]
-    assert torch.equal(pooled.rec_pool[others], rec_pool[others]) and torch.equal(pooled.conv_pool[others],
-                                                                                   conv_pool[others])
-    assert rel_err(pooled.rec_pool[index], state64.recurrent) < 2e-5
-    assert rel_err(pooled.conv_pool[index], state64.conv) < 1e-6
+    check_pool(pooled, start, state64)
+
+
+def pool_and_reference(rows: list[int], seed: int) -> tuple[PooledKDAState, kda_module.KDAState, torch.Tensor]:
+    """A 6-row serving pool of random states for the 3-head layers here, the same rows ``rows`` as a float64
+    state (memories float32), and 3 tokens of input per row."""
+    gen = torch.Generator().manual_seed(seed)
+    conv_pool, rec_pool = torch.randn(6, 3, 144, generator=gen), torch.randn(6, 3, 16, 16, generator=gen) * 0.3
+    index = torch.tensor(rows)
+    state64 = kda_module.KDAState(conv_pool[index].double(), rec_pool[index].clone())
+    return PooledKDAState(conv_pool, rec_pool, index), state64, torch.randn(len(rows), 3, 48, generator=gen)
+
+
+def check_pool(pooled: PooledKDAState, start: PooledKDAState, state64: kda_module.KDAState) -> None:
+    """The pool's named rows hold the reference's states; the others are as they started, bit for bit."""
+    others = [r for r in range(6) if r not in pooled.index.tolist()]
+    assert torch.equal(pooled.rec_pool[others], start.rec_pool[others])
+    assert torch.equal(pooled.conv_pool[others], start.conv_pool[others])
+    assert rel_err(pooled.rec_pool[pooled.index], state64.recurrent) < 2e-5
+    assert rel_err(pooled.conv_pool[pooled.index], state64.conv) < 1e-6
 
 
 def test_kda_decode_declines_where_it_does_not_apply(ran):
@@ -132,6 +145,90 @@ def test_kda_decode_declines_where_it_does_not_apply(ran):
     with torch.no_grad():
         b(x.bfloat16(), b.empty_state(1, torch.bfloat16, x.device))
     assert ran["kda"] == 0
+
+
+def norms(hidden: int, seed: int) -> tuple[RMSNorm, RMSNorm]:
+    """A decoder layer's input and post-attention norms with random weights (and eps far apart, so that the
+    kernel's use of each shows)."""
+    return randomize(RMSNorm(hidden, eps=1e-6), seed), randomize(RMSNorm(hidden, eps=0.05), seed + 1)
+
+
+@pytest.mark.parametrize("regime,lower_bound,full_rank", [
+    ("init", None, False), ("strong", None, False), ("saturated", None, False), ("slow", None, False),
+    ("init", -5.0, True),
+    ("saturated", -5.0, False),
+])
+@pytest.mark.parametrize("hidden,B,transposed", [(48, 1, False), (48, 3, True), (192, 2, False)])
+def test_kda_block_decode_matches_float64(ran, regime, lower_bound, full_rank, hidden, B, transposed):
+    """The whole attention half of a decoder layer in one call (input norm, projections, step, output projection,
+    residual add and next norm) after a 5-token prefill, 6 tokens, float32 against the float64 PyTorch layer:
+    both outputs, then one token without the norms, and the states. The packed projection is stored by columns
+    at hidden 48 (179 rows > 48) and by rows at 192; ``transposed`` stores the gates' and output projections by
+    columns too: every layout of the kernel's products."""
+    m = kda_layer(regime, lower_bound, full_rank, hidden)
+    if transposed:
+        for lin in (m.f_b_proj, m.o_proj) + (() if full_rank else (m.g_b_proj,)):
+            lin.weight.data = lin.weight.data.t().contiguous().t()
+    in_norm, post_norm = norms(hidden, seed=5)
+    ref, ref_in, ref_post = (copy.deepcopy(t).double() for t in (m, in_norm, post_norm))
+    x = torch.randn(B, 12, hidden, generator=torch.Generator().manual_seed(6))
+    state, state64 = m.empty_state(B, torch.float32, x.device), ref.empty_state(B, torch.float64, x.device)
+    with torch.no_grad():
+        m(x[:, :5], state), ref(x[:, :5].double(), state64)
+        for t in range(5, 11):
+            xt = x[:, t : t + 1]
+            out, normed = m.decode_block(xt, state, in_norm, post_norm)
+            want_normed, want_out = ref_post(ref(ref_in(xt.double()), state64), residual=xt.double())
+            assert rel_err(out, want_out) < 2e-5 and rel_err(normed, want_normed) < 2e-5, t
+        out, normed = m.decode_block(x[:, 11:], state)
+        assert normed is None and rel_err(out, ref(x[:, 11:].double(), state64)) < 2e-5
+    assert ran["block"] == 7 and ran["kda"] == 0
+    assert rel_err(state.recurrent, state64.recurrent) < 2e-5
+    assert rel_err(state.conv, state64.conv) < 1e-6
+
+
+@pytest.mark.parametrize("rows,threads", [([4, 1], 2), ([4], 2), ([4], 1), ([4, 1, 0], 2)])
+def test_kda_block_decode_in_pool_rows_leaves_other_rows(ran, rows, threads, monkeypatch):
+    """A serving pool's rows updated in place by the whole-block call, the other rows untouched bit for bit; one
+    sequence on two threads splits its heads, several go sequence by sequence."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    m = kda_layer("strong")
+    in_norm, post_norm = norms(48, seed=7)
+    ref, ref_in, ref_post = (copy.deepcopy(t).double() for t in (m, in_norm, post_norm))
+    pooled, state64, x = pool_and_reference(rows, seed=8)
+    start = copy.deepcopy(pooled)
+    with torch.no_grad():
+        for t in range(3):
+            xt = x[:, t : t + 1]
+            out, normed = m.decode_block(xt, pooled, in_norm, post_norm)
+            want_normed, want_out = ref_post(ref(ref_in(xt.double()), state64), residual=xt.double())
+            assert rel_err(out, want_out) < 2e-5 and rel_err(normed, want_normed) < 2e-5
+    assert ran["block"] == 3
+    check_pool(pooled, start, state64)
+    bad = PooledKDAState(pooled.conv_pool, pooled.rec_pool, torch.tensor([1] * (len(rows) - 1) + [6]))
+    before = pooled.rec_pool.clone()
+    with torch.no_grad(), pytest.raises(IndexError, match="rows"):
+        m.decode_block(x[:, :1], bad)
+    assert torch.equal(pooled.rec_pool, before)
+
+
+def test_kda_block_decode_declines_where_it_does_not_apply(ran):
+    """More rows than MAX_BLOCK_ROWS, 16-bit, autograd, unpacked weights: None (the caller runs the layer), and
+    the decoder layer's path then still decodes right."""
+    from kimi_linear.ops.native.kda import MAX_BLOCK_ROWS
+
+    m = kda_layer("init")
+    B = MAX_BLOCK_ROWS + 1
+    x = torch.randn(B, 1, 48)
+    with torch.no_grad():
+        assert m.decode_block(x, m.empty_state(B, torch.float32, x.device)) is None
+        assert m.decode_block(x[:1].bfloat16(), copy.deepcopy(m).bfloat16().empty_state(1, torch.bfloat16,
+                                                                                         x.device)) is None
+        unpacked = kda_layer("init")
+        unpacked._pack = None
+        assert unpacked.decode_block(x[:1], unpacked.empty_state(1, torch.float32, x.device)) is None
+    assert m.decode_block(x[:1], m.empty_state(1, torch.float32, x.device)) is None      # gradients wanted
+    assert ran["block"] == 0
 
 
 def moe_layer(hidden: int, inter: int, shared: int, renormalize: bool, seed: int) -> SparseMoE:

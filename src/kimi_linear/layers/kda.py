@@ -10,11 +10,11 @@ from torch import nn
 from kimi_linear.ops import chunk_kda, fused_recurrent_kda, short_conv
 from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.conv import short_conv_decode, short_conv_varlen
-from kimi_linear.ops.native.kda import kda_decode
+from kimi_linear.ops.native.kda import kda_block_decode, kda_decode
 
 from .context_parallel import ContextParallel
 from .linear import Linear, linear
-from .norm import GatedRMSNorm
+from .norm import GatedRMSNorm, RMSNorm
 from .packing import PackedLinears
 
 
@@ -239,6 +239,36 @@ class KimiDeltaAttention(nn.Module):
         if not pooled:
             state.conv, state.recurrent = window, memory
         return o
+
+    def decode_block(self, x: torch.Tensor, state: KDAState | PooledKDAState, in_norm: RMSNorm | None = None,
+                     post_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A CPU decode token from the layer's input to its output projection as one C call
+        (:func:`kimi_linear.ops.native.kda.kda_block_decode`: every op between two BLAS products costs more than
+        its arithmetic there), updating ``state``; optionally with the decoder layer's input norm in front
+        (``in_norm``) and its residual add and next norm behind (``post_norm``: x is then the residual stream).
+        x [B, 1, D] -> (out [B, 1, D], the next norm's output or None), as ``post_norm(forward(in_norm(x)),
+        residual=x)`` would give them in the other order; or None where the kernel does not apply (CUDA, 16-bit,
+        autograd, more rows than it takes, unpacked weights, a subclass's own gates): then run :meth:`forward`."""
+        if (x.device.type != "cpu" or x.dim() != 3 or x.shape[1] != 1 or type(self).gates is not
+                KimiDeltaAttention.gates or self._pack is None or not self._pack.valid()
+                or self.o_proj.bias is not None or not isinstance(state, (KDAState, PooledKDAState))
+                or triton_op("short_conv", x) is not None):
+            return None
+        pooled = isinstance(state, PooledKDAState)
+        norms = [None if n is None else (n.weight, n.eps) for n in (in_norm, post_norm)]
+        done = kda_block_decode(
+            x, self._pack.weight, self.f_b_proj.weight, None if self.full_rank_gate else self.g_b_proj.weight,
+            self._conv_weight(x.dtype), state.conv_pool if pooled else state.conv,
+            state.rec_pool if pooled else state.recurrent, self.A_log.view(-1), self.dt_bias, self.gate_lower_bound,
+            self.o_norm.weight, self.o_norm.eps, self.head_dim**-0.5, self.o_proj.weight, *norms,
+            rows=state.index if pooled else None,
+        )
+        if done is None:
+            return None
+        out, normed, window, memory = done
+        if not pooled:
+            state.conv, state.recurrent = window, memory
+        return out, normed
 
     def forward(
         self,

@@ -120,7 +120,14 @@ class KimiLinearDecoderLayer(nn.Module):
             return state.blocks, state.partial
         norm = self.post_attention_layernorm
         o_proj = getattr(self.self_attn, "o_proj", None)
-        if (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and context_parallel is None
+        done = None
+        if (isinstance(self.self_attn, KimiDeltaAttention) and cache is not None and padding_mask is None
+                and cu_seqlens is None and context_parallel is None):
+            # a CPU decode step: input norm, attention and the residual add + next norm as one C call
+            done = self.self_attn.decode_block(x, cache, self.input_layernorm, norm)
+        if done is not None:
+            x, normed = done
+        elif (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and context_parallel is None
                 and o_proj.bias is None and project_fused(x, o_proj.weight, norm.weight)):
             # a decode step: the output projection's split-K partial sums go straight into the add + norm kernel
             o = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, project=False)

@@ -47,12 +47,14 @@ SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _F32, _I64, _I64, _P, _P],
     "kda_decode_f32": [_I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P,
                        _P, _P, _I32, _F32, _P, _F32, _F32, _P, _I32],
+    "kda_block_decode_f32": [_I64] * 7 + [_P, _P, _F32] + [_P, _I64, _I64] * 3 + [_P] * 6 + [_P, _P, _I32, _F32]
+                            + [_P, _F32, _F32] + [_P, _I64, _I64, _P, _F32] + [_P, _P, _I32],
     "glu_rows_f32": [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I32],
     "moe_rows_f32": [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _I64, _P, _I64, _I64, _I64, _P, _I64,
                      _I64, _I64, _P, _P, _P, _P, _P, _I32],
 }
 
-RETURNS_STATUS = {"kda_decode_f32", "moe_rows_f32"}
+RETURNS_STATUS = {"kda_decode_f32", "kda_block_decode_f32", "moe_rows_f32"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

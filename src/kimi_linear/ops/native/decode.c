@@ -204,6 +204,147 @@ int32_t kda_decode_f32(
     return 0;
 }
 
+#ifdef _OPENMP
+#define BARRIER _Pragma("omp barrier")
+#else
+#define BARRIER
+#endif
+
+/* Y[r, o] = sum_i M[o, i] X[row_r, i] for r < n and this thread's outputs o in [lo, hi); M [n_out, n_in] with
+ * element (o, i) at M[o * so + i * si]; row_r = rows[r] (rows NULL: r), X rows ldx apart, Y rows ldy apart.
+ * Each stretch of the weight is read once for all n rows (it stays in L1 while they use it): along contiguous
+ * rows of M when si == 1, else (so == 1: stored transposed) along its contiguous columns. Both walk STREAMS rows
+ * of the stored matrix side by side, because one sequential stream a thread leaves the memory system idle
+ * between its prefetches: a [1672, 512] weight (the `small` preset's packed KDA projection) from DRAM on 2
+ * threads, Intel box, us stored by rows / by columns: 105 / 140-150 one row at a time, 83-86 / 91-95 four at a
+ * time, 78-80 / 87-89 eight; PyTorch's BLAS product of it in a decode step ~88. */
+#define STREAMS 8
+static void products(const float *M, int64_t so, int64_t si, const float *X, int64_t ldx, const int64_t *rows,
+                     int64_t n, int64_t n_in, float *Y, int64_t ldy, int64_t lo, int64_t hi) {
+    if (si == 1) {
+        int64_t o = lo;
+        for (; o + STREAMS <= hi; o += STREAMS) {
+            const float *m = M + o * so;
+            for (int64_t r = 0; r < n; r++) {
+                const float *x = X + (rows ? rows[r] : r) * ldx;
+                float acc[STREAMS] = {0.0f};
+                for (int64_t i = 0; i < n_in; i++)
+                    for (int64_t s = 0; s < STREAMS; s++) acc[s] += m[s * so + i] * x[i];
+                for (int64_t s = 0; s < STREAMS; s++) Y[r * ldy + o + s] = acc[s];
+            }
+        }
+        for (; o < hi; o++) {
+            const float *m = M + o * so;
+            for (int64_t r = 0; r < n; r++) {
+                const float *x = X + (rows ? rows[r] : r) * ldx;
+                float acc = 0.0f;
+                for (int64_t i = 0; i < n_in; i++) acc += m[i] * x[i];
+                Y[r * ldy + o] = acc;
+            }
+        }
+    } else {
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t o = lo; o < hi; o++) Y[r * ldy + o] = 0.0f;
+        int64_t i = 0;
+        for (; i + STREAMS <= n_in; i += STREAMS) {
+            const float *m = M + i * si;
+            for (int64_t r = 0; r < n; r++) {
+                const float *x = X + (rows ? rows[r] : r) * ldx + i;
+                float *y = Y + r * ldy;
+                for (int64_t o = lo; o < hi; o++) {
+                    float acc = y[o];
+                    for (int64_t s = 0; s < STREAMS; s++) acc += m[s * si + o] * x[s];
+                    y[o] = acc;
+                }
+            }
+        }
+        for (; i < n_in; i++) {
+            const float *m = M + i * si;
+            for (int64_t r = 0; r < n; r++) {
+                const float xi = X[(rows ? rows[r] : r) * ldx + i];
+                float *y = Y + r * ldy;
+                for (int64_t o = lo; o < hi; o++) y[o] += m[o] * xi;
+            }
+        }
+    }
+}
+
+/* `products` over all n_out outputs of M, this thread's share of them (threads split the outputs, so each streams
+ * its own part of the weight). */
+static void share_of_products(const float *M, int64_t so, int64_t si, const float *X, int64_t ldx, int64_t n,
+                              int64_t n_in, int64_t n_out, float *Y, int64_t ldy, int64_t tid, int64_t nt) {
+    products(M, so, si, X, ldx, NULL, n, n_in, Y, ldy, n_out * tid / nt, n_out * (tid + 1) / nt);
+}
+
+/* A KDA decoder layer's attention half for B decode tokens, as one call (layers.kda.KimiDeltaAttention.
+ * decode_block): the input norm, the packed input projection, the gates' up-projections, the step of
+ * kda_decode_f32, the output projection, and the residual add with the next norm. Between the first norm and the
+ * last add every product is split between the threads by output feature, in one parallel region.
+ *
+ * x [B, Dm]                      the residual stream; h = rms_norm(x) * in_norm_w (in_norm_w NULL: h = x)
+ * P [n_pack, Dm] (P_so, P_si)    the packed projection: rows q|k|v (3HD), f_a (R), g_a (R, or HD when Gb is
+ *                                NULL: the full-rank output gate itself), beta (H)
+ * Fb, Gb [HD, R]                 the forget and output gates' up-projections (strides as in `products`)
+ * conv_w ... scale               as in kda_decode_f32 (rows NULL: state row b; else rows[b] of n_rows)
+ * Wo [Dm, HD] (Wo_so, Wo_si)     the output projection; delta = Wo o
+ * post_norm_w NULL: out = delta; else out = x + delta and normed = rms_norm(out) * post_norm_w
+ * Returns 0; -1 (nothing written) when a row index is outside [0, n_rows); -2 when the scratch cannot be had. */
+int32_t kda_block_decode_f32(
+    int64_t B, int64_t Dm, int64_t H, int64_t D, int64_t R, int64_t W, int64_t n_rows,
+    const float *x, const float *in_norm_w, float in_eps,
+    const float *P, int64_t P_so, int64_t P_si,
+    const float *Fb, int64_t Fb_so, int64_t Fb_si, const float *Gb, int64_t Gb_so, int64_t Gb_si,
+    const float *conv_w, const float *win_in, float *win_out, const float *S_in, float *S_out, const int64_t *rows,
+    const float *A_log, const float *dt_bias, int32_t has_lower_bound, float lower_bound,
+    const float *norm_w, float norm_eps, float scale,
+    const float *Wo, int64_t Wo_so, int64_t Wo_si, const float *post_norm_w, float post_eps,
+    float *out, float *normed, int32_t threads)
+{
+    for (int64_t b = 0; rows && b < B; b++)
+        if (rows[b] < 0 || rows[b] >= n_rows) return -1;
+    const int64_t HD = H * D, gate_w = Gb ? R : HD, n_pack = 3 * HD + R + gate_w + H;
+    /* scratch rows: h [Dm], the projection [n_pack], g [HD], gate [HD], o [HD], delta [Dm] */
+    const int64_t width = Dm + n_pack + 3 * HD + Dm;
+    float *scratch = malloc((size_t)(B * width) * sizeof(float));
+    if (!scratch) return -2;
+    float *h = scratch, *proj = h + B * Dm, *g = proj + B * n_pack, *gate = g + B * HD, *o = gate + B * HD;
+    float *delta = post_norm_w ? o + B * HD : out;
+    if (in_norm_w)
+        for (int64_t b = 0; b < B; b++) rms_norm_row(x + b * Dm, in_norm_w, in_eps, Dm, h + b * Dm);
+    else
+        memcpy(h, x, (size_t)(B * Dm) * sizeof(float));
+    const KDAStep p = {H, D, W, proj, g, Gb ? gate : proj + 3 * HD + R, proj + 3 * HD + R + gate_w,
+                       n_pack, HD, Gb ? HD : n_pack, n_pack,
+                       conv_w, win_in, S_in, A_log, dt_bias, norm_w, win_out, S_out, o, has_lower_bound,
+                       lower_bound, norm_eps, scale};
+    const int64_t G = B >= threads ? 1 : H;     /* work items of the step, as in kda_decode_f32 */
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        const int64_t tid = thread_index(), nt = thread_count();
+        share_of_products(P, P_so, P_si, h, Dm, B, Dm, n_pack, proj, n_pack, tid, nt);
+        BARRIER
+        share_of_products(Fb, Fb_so, Fb_si, proj + 3 * HD, n_pack, B, R, HD, g, HD, tid, nt);
+        if (Gb) share_of_products(Gb, Gb_so, Gb_si, proj + 3 * HD + R, n_pack, B, R, HD, gate, HD, tid, nt);
+        BARRIER
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t i = 0; i < B * G; i++) {
+            const int64_t b = i / G, k = i % G;
+            kda_decode_heads(&p, b, rows ? rows[b] : b, k * H / G, (k + 1) * H / G);
+        }
+        /* (the worksharing loop ends in a barrier: every head's o is written) */
+        share_of_products(Wo, Wo_so, Wo_si, o, HD, B, HD, Dm, delta, Dm, tid, nt);
+    }
+    if (post_norm_w)
+        add_rms_norm_f32(x, delta, post_norm_w, post_eps, B, Dm, out, normed);
+    free(scratch);
+    return 0;
+}
+
 /* The sigmoid router of a MoE layer for one token (layers.moe.SigmoidTopKRouter with one expert group):
  * s = sigmoid(router_w x); the top_k experts of s + bias, weighted by their s (renormalised to sum 1 when
  * renormalize, + 1e-20), times scaling. x [D], router_w [E, D] row-major, bias [E]; writes experts [top_k] int64
@@ -231,42 +372,6 @@ static void router_topk(const float *x, const float *router_w, const float *bias
     const float norm = renormalize ? scaling / (total + 1e-20f) : scaling;
     for (int64_t j = 0; j < top_k; j++) weights[j] *= norm;
 }
-
-/* Y[r, o] = sum_i M[o, i] X[row_r, i] for r < n and this thread's outputs o in [lo, hi); M [n_out, n_in] with
- * element (o, i) at M[o * so + i * si]; row_r = rows[r] (rows NULL: r), X rows ldx apart, Y rows ldy apart.
- * Each stretch of the weight is read once for all n rows (it stays in L1 while they use it): along contiguous
- * rows of M when si == 1, else (so == 1: stored transposed) along its contiguous columns. */
-static void products(const float *M, int64_t so, int64_t si, const float *X, int64_t ldx, const int64_t *rows,
-                     int64_t n, int64_t n_in, float *Y, int64_t ldy, int64_t lo, int64_t hi) {
-    if (si == 1) {
-        for (int64_t o = lo; o < hi; o++) {
-            const float *m = M + o * so;
-            for (int64_t r = 0; r < n; r++) {
-                const float *x = X + (rows ? rows[r] : r) * ldx;
-                float acc = 0.0f;
-                for (int64_t i = 0; i < n_in; i++) acc += m[i] * x[i];
-                Y[r * ldy + o] = acc;
-            }
-        }
-    } else {
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t o = lo; o < hi; o++) Y[r * ldy + o] = 0.0f;
-        for (int64_t i = 0; i < n_in; i++) {
-            const float *m = M + i * si;
-            for (int64_t r = 0; r < n; r++) {
-                const float xi = X[(rows ? rows[r] : r) * ldx + i];
-                float *y = Y + r * ldy;
-                for (int64_t o = lo; o < hi; o++) y[o] += m[o] * xi;
-            }
-        }
-    }
-}
-
-#ifdef _OPENMP
-#define BARRIER _Pragma("omp barrier")
-#else
-#define BARRIER
-#endif
 
 /* One GLU expert for the n rows x[rows[r]] ([D] each, ldx apart): out[rows[r]] += w[r] * W2 (silu(W1 x) * W3 x),
  * with W1 | W3 = M13 [2I, D] and W2 = M2 [D, I] (strides as in `products`), this thread's share of the features.

@@ -6,6 +6,12 @@ import torch
 
 from . import cpu_float32_inference, library
 
+# Rows up to which kda_block_decode runs: its products are plain loops over the weights, which beat the per-op
+# overhead of the PyTorch path on a few rows and lose to BLAS's matrix products on many. `small` preset, the
+# attention half of a KDA decoder layer with its weights cold, Intel box, 2 threads, us, one call / the norms,
+# BLAS projections and kda_decode: 353 / 481 at 1 row, 486 / 600 at 4, 700 / 758 at 8, 1092 / 1022 at 16.
+MAX_BLOCK_ROWS = 8
+
 
 def _rows_ok(t: torch.Tensor, D: int = 1) -> bool:
     """Each row of t ([B, 1, n] or [B, 1, H, D]) contiguous; the rows themselves may lie apart (columns of a packed
@@ -71,3 +77,78 @@ def kda_decode(
     if status != 0:
         raise IndexError(f"kda_decode: `rows` must name rows of the {S}-row state pools, got {rows.tolist()}")
     return out, new_window, new_memory
+
+
+def _matrix_strides(w: torch.Tensor) -> tuple[int, int] | None:
+    """(row, column) strides of a 2-D weight with a contiguous row or column, else None."""
+    so, si = w.stride()
+    return (so, si) if so == 1 or si == 1 else None
+
+
+def kda_block_decode(
+    x: torch.Tensor, packed: torch.Tensor, f_b: torch.Tensor, g_b: torch.Tensor | None, conv_weight: torch.Tensor,
+    window: torch.Tensor, memory: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    lower_bound: float | None, norm_weight: torch.Tensor, norm_eps: float, scale: float, o_weight: torch.Tensor,
+    in_norm: tuple[torch.Tensor, float] | None = None, post_norm: tuple[torch.Tensor, float] | None = None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """A KDA layer's decode token from its input to its output projection, for B sequences, in one C call; or None
+    where it does not apply (not CPU float32, gradients wanted, more than MAX_BLOCK_ROWS rows, other layouts):
+    then the caller runs :func:`kda_decode` between its own projections.
+
+    x [B, 1, Dm]; packed [3*H*D + R + G + H, Dm] the input projection's rows q|k|v, f_a, g_a, beta (G = R, or H*D
+    with g_b None: g_a is the output gate); f_b, g_b [H*D, R]; o_weight [Dm, H*D]; the state and gate arguments
+    as in :func:`kda_decode` (window, memory updated in place when ``rows`` is given, else new ones returned).
+    in_norm (weight [Dm], eps): x is normed first. post_norm (weight [Dm], eps): the residual add and the next norm
+    follow, ``out = x + o_proj(o)`` and ``normed = rms_norm(out)``; without it ``out = o_proj(o)``, normed None.
+    Returns (out [B, 1, Dm], normed, window, memory)."""
+    lib = library()
+    if lib is None or x.dim() != 3 or x.shape[1] != 1 or not 0 < x.shape[0] <= MAX_BLOCK_ROWS:
+        return None
+    norms = [t for pair in (in_norm, post_norm) if pair is not None for t in pair[:1]]
+    if not cpu_float32_inference(x, packed, f_b, g_b, conv_weight, window, memory, A_log, dt_bias, norm_weight,
+                                 o_weight, *norms):
+        return None
+    x = x.contiguous()
+    B, Dm = x.shape[0], x.shape[2]
+    H, HD = A_log.numel(), o_weight.shape[1]
+    D, R, W, S = HD // H, f_b.shape[1], conv_weight.shape[0], window.shape[0]
+    G = HD if g_b is None else R
+    strides = [_matrix_strides(w) for w in (packed, f_b, o_weight)] + [(0, 0) if g_b is None else
+                                                                        _matrix_strides(g_b)]
+    if (any(s is None for s in strides) or H * D != HD or tuple(packed.shape) != (3 * HD + R + G + H, Dm)
+            or tuple(f_b.shape) != (HD, R) or (g_b is not None and tuple(g_b.shape) != (HD, R))
+            or tuple(o_weight.shape) != (Dm, HD) or tuple(conv_weight.shape) != (W, 3 * HD) or W < 2
+            or tuple(window.shape) != (S, W - 1, 3 * HD) or tuple(memory.shape) != (S, H, D, D)
+            or dt_bias.numel() != HD or not all(t.is_contiguous() for t in (conv_weight, A_log, dt_bias,
+                                                                              norm_weight, *norms))):
+        return None
+    if rows is None:
+        if S != B:
+            return None
+        window, memory = window.contiguous(), memory.contiguous()
+        new_window, new_memory, rows_ptr = torch.empty_like(window), torch.empty_like(memory), None
+    else:
+        if not (window.is_contiguous() and memory.is_contiguous() and rows.dtype == torch.int64
+                and tuple(rows.shape) == (B,) and rows.is_contiguous() and rows.device.type == "cpu"):
+            return None
+        new_window, new_memory, rows_ptr = window, memory, rows.data_ptr()
+    out = torch.empty(B, 1, Dm)
+    normed = torch.empty(B, 1, Dm) if post_norm is not None else None
+    (p_so, p_si), (f_so, f_si), (o_so, o_si), (g_so, g_si) = strides
+    status = lib.kda_block_decode_f32(
+        B, Dm, H, D, R, W, S,
+        x.data_ptr(), None if in_norm is None else in_norm[0].data_ptr(), 0.0 if in_norm is None else in_norm[1],
+        packed.data_ptr(), p_so, p_si, f_b.data_ptr(), f_so, f_si, None if g_b is None else g_b.data_ptr(), g_so,
+        g_si, conv_weight.data_ptr(), window.data_ptr(), new_window.data_ptr(), memory.data_ptr(),
+        new_memory.data_ptr(), rows_ptr, A_log.data_ptr(), dt_bias.data_ptr(), lower_bound is not None,
+        0.0 if lower_bound is None else lower_bound, norm_weight.data_ptr(), norm_eps, scale,
+        o_weight.data_ptr(), o_so, o_si, None if post_norm is None else post_norm[0].data_ptr(),
+        0.0 if post_norm is None else post_norm[1], out.data_ptr(), None if normed is None else normed.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -1:
+        raise IndexError(f"kda_block_decode: `rows` must name rows of the {S}-row state pools, got {rows.tolist()}")
+    if status != 0:
+        raise MemoryError(f"kda_block_decode: no memory for the scratch of {B} rows")
+    return out, normed, new_window, new_memory
