@@ -9,11 +9,11 @@ from . import cpu_float32_inference, library
 
 # Rows x expert size (N * I * D) up to which the C kernels run. Their products are plain loops: they win where
 # the PyTorch path's ~7 ops an expert cost more than the arithmetic (one row, a few rows, small experts) and lose
-# to BLAS's matrix products on many rows of large experts. Intel box, MoE layer alone, ms a layer, C / PyTorch:
-# `small` preset (I * D = 131k), 2 threads: 0.22 / 0.39 at 1 row, 0.82 / 1.22 at 8, 1.15 / 1.43 at 16, 2.01 / 1.66
-# at 32 (1 thread: 2.09 / 2.22 at 16, 3.20 / 2.71 at 32); `tiny` (I * D = 8k), 1 thread: 0.11 / 0.27 at 1 row,
-# 0.20 / 0.67 at 16, 0.27 / 0.72 at 32.
-MAX_WORK = 1 << 21
+# to BLAS's matrix products on many rows of large experts. Intel box, MoE layer alone with its weights cold, us a
+# layer, C / PyTorch, `small` preset (I * D = 131k): 2 threads 406 / 665 at 1 row, 847 / 1300 at 8, 1026-1369 /
+# 1575-1656 at 16, 1549-2082 / 1854-2304 at 32, 2372 / 2298 at 64; 1 thread 2199 / 2583 at 16, 3124 / 3193 at 32,
+# 4785 / 4522 at 64 (products streaming eight weight rows at once; with one, C lost from 32 rows on).
+MAX_WORK = 1 << 22
 MAX_ROWS = 256
 
 
