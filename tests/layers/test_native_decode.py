@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import kimi_linear.layers.kda as kda_module
+import kimi_linear.layers.mla as mla_module
 import kimi_linear.layers.mlp as mlp_module
 import kimi_linear.layers.moe as moe_module
-from kimi_linear.layers import KimiDeltaAttention, RMSNorm, SparseMoE, SwiGLUMLP
+from kimi_linear.layers import KimiDeltaAttention, NoPEMLA, PagedLatentView, RMSNorm, SparseMoE, SwiGLUMLP
 from kimi_linear.layers.kda import PooledKDAState
 
 from ..ops.test_native import needs_cc
@@ -26,7 +27,7 @@ pytestmark = needs_cc
 @pytest.fixture
 def ran(monkeypatch):
     """Counts the calls in which each kernel wrapper ran (returned a result) instead of declining."""
-    counts = {"kda": 0, "block": 0, "moe": 0, "mlp": 0}
+    counts = {"kda": 0, "block": 0, "mla": 0, "moe": 0, "mlp": 0}
 
     def spy(module, name, key):
         inner = getattr(module, name)
@@ -40,6 +41,7 @@ def ran(monkeypatch):
 
     spy(kda_module, "kda_decode", "kda")
     spy(kda_module, "kda_block_decode", "block")
+    spy(mla_module, "mla_block_decode", "mla")
     spy(moe_module, "moe_decode", "moe")
     spy(mlp_module, "glu_mlp", "mlp")
     return counts
@@ -150,7 +152,25 @@ def test_kda_decode_declines_where_it_does_not_apply(ran):
 def norms(hidden: int, seed: int) -> tuple[RMSNorm, RMSNorm]:
     """A decoder layer's input and post-attention norms with random weights (and eps far apart, so that the
     kernel's use of each shows)."""
-    return randomize(RMSNorm(hidden, eps=1e-6), seed), randomize(RMSNorm(hidden, eps=0.05), seed + 1)
+    return randomize(RMSNorm(hidden, eps=1e-3), seed), randomize(RMSNorm(hidden, eps=0.05), seed + 1)
+
+
+def block_tokens_against_float64(m, ref, state, state64, B: int, hidden: int, prefix: int, seed: int) -> None:
+    """A ``prefix``-token prefill through layer m and its float64 copy ``ref`` (states ``state`` / ``state64``),
+    then 6 tokens through ``m.decode_block`` with a decoder layer's two norms, against ``post(ref(in(x)),
+    residual=x)`` in float64, and one token without the norms against ``ref(x)``."""
+    in_norm, post_norm = norms(hidden, seed=seed)
+    ref_in, ref_post = (copy.deepcopy(t).double() for t in (in_norm, post_norm))
+    x = torch.randn(B, prefix + 7, hidden, generator=torch.Generator().manual_seed(seed + 2))
+    with torch.no_grad():
+        m(x[:, :prefix], state), ref(x[:, :prefix].double(), state64)
+        for t in range(prefix, prefix + 6):
+            xt = x[:, t : t + 1]
+            out, normed = m.decode_block(xt, state, in_norm, post_norm)
+            want_normed, want_out = ref_post(ref(ref_in(xt.double()), state64), residual=xt.double())
+            assert rel_err(out, want_out) < 2e-5 and rel_err(normed, want_normed) < 2e-5, t
+        out, normed = m.decode_block(x[:, -1:], state)
+        assert normed is None and rel_err(out, ref(x[:, -1:].double(), state64)) < 2e-5
 
 
 @pytest.mark.parametrize("regime,lower_bound,full_rank", [
@@ -169,19 +189,9 @@ def test_kda_block_decode_matches_float64(ran, regime, lower_bound, full_rank, h
     if transposed:
         for lin in (m.f_b_proj, m.o_proj) + (() if full_rank else (m.g_b_proj,)):
             lin.weight.data = lin.weight.data.t().contiguous().t()
-    in_norm, post_norm = norms(hidden, seed=5)
-    ref, ref_in, ref_post = (copy.deepcopy(t).double() for t in (m, in_norm, post_norm))
-    x = torch.randn(B, 12, hidden, generator=torch.Generator().manual_seed(6))
-    state, state64 = m.empty_state(B, torch.float32, x.device), ref.empty_state(B, torch.float64, x.device)
-    with torch.no_grad():
-        m(x[:, :5], state), ref(x[:, :5].double(), state64)
-        for t in range(5, 11):
-            xt = x[:, t : t + 1]
-            out, normed = m.decode_block(xt, state, in_norm, post_norm)
-            want_normed, want_out = ref_post(ref(ref_in(xt.double()), state64), residual=xt.double())
-            assert rel_err(out, want_out) < 2e-5 and rel_err(normed, want_normed) < 2e-5, t
-        out, normed = m.decode_block(x[:, 11:], state)
-        assert normed is None and rel_err(out, ref(x[:, 11:].double(), state64)) < 2e-5
+    ref = copy.deepcopy(m).double()
+    state, state64 = m.empty_state(B, torch.float32, None), ref.empty_state(B, torch.float64, None)
+    block_tokens_against_float64(m, ref, state, state64, B, hidden, prefix=5, seed=5)
     assert ran["block"] == 7 and ran["kda"] == 0
     assert rel_err(state.recurrent, state64.recurrent) < 2e-5
     assert rel_err(state.conv, state64.conv) < 1e-6
@@ -229,6 +239,86 @@ def test_kda_block_decode_declines_where_it_does_not_apply(ran):
         assert unpacked.decode_block(x[:1], unpacked.empty_state(1, torch.float32, x.device)) is None
     assert m.decode_block(x[:1], m.empty_state(1, torch.float32, x.device)) is None      # gradients wanted
     assert ran["block"] == 0
+
+
+def mla_layer(hidden: int, transposed: bool = False, **options) -> NoPEMLA:
+    """A small NoPE MLA layer (3 heads, latent 24, nope 8, rope 4, v 6), packed; its packed projection (64 rows)
+    stored by columns when hidden < 64, else by rows; ``transposed``: kv_b_proj and o_proj stored by columns."""
+    m = randomize(NoPEMLA(hidden, num_heads=3, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                          v_head_dim=6, **options), seed=21).eval()
+    if transposed:
+        for lin in (m.kv_b_proj, m.o_proj):
+            lin.weight.data = lin.weight.data.t().contiguous().t()
+    m.pack()
+    return m
+
+
+@pytest.mark.parametrize("hidden,B,transposed", [(48, 1, False), (48, 3, True), (96, 2, False), (96, 1, True)])
+def test_mla_block_decode_matches_float64(ran, hidden, B, transposed):
+    """An MLA layer's whole attention half in one call over a dense latent cache after a 10-token prefill, 6
+    tokens with the decoder layer's norms and one without, float32 against the float64 PyTorch layer: outputs and
+    the cached entries."""
+    m = mla_layer(hidden, transposed)
+    ref = copy.deepcopy(m).double()
+    cache, cache64 = m.empty_cache(B, torch.float32, None), ref.empty_cache(B, torch.float64, None)
+    block_tokens_against_float64(m, ref, cache, cache64, B, hidden, prefix=10, seed=22)
+    assert ran["mla"] == 7 and cache.length == cache64.length == 17
+    assert rel_err(cache.buf[:, :17], cache64.buf[:, :17]) < 2e-6
+
+
+def test_mla_block_decode_over_a_paged_pool(ran):
+    """A paged pool (shuffled blocks, unused slots NaN, int32 tables as the engine makes them): each new entry goes
+    to its row's ``dst``, the attention reads through the block table, and the outputs match the float64 layer over
+    a dense cache; rows of different lengths."""
+    m = mla_layer(48)
+    in_norm, post_norm = norms(48, seed=24)
+    ref, ref_in, ref_post = (copy.deepcopy(t).double() for t in (m, in_norm, post_norm))
+    x = torch.randn(2, 12, 48, generator=torch.Generator().manual_seed(25))
+    bs, nb, P = 4, 4, 8
+    pool = torch.full((P + 1, bs, m.cache_width), float("nan"))
+    table = torch.randperm(P, generator=torch.Generator().manual_seed(26)).view(2, nb).int()
+    starts = [7, 5]                                                     # row 1 is 2 tokens shorter
+    with torch.no_grad():
+        caches = []
+        for b in range(2):
+            c = ref.empty_cache(1, torch.float64, x.device)
+            ref(x[b : b + 1, : starts[b]].double(), c)
+            for j in range(starts[b]):
+                pool[table[b, j // bs], j % bs] = c.buf[0, j].float()
+            caches.append(c)
+        for step in range(5):
+            pos = torch.tensor([starts[0] + step, starts[1] + step])
+            dst = table[torch.arange(2), pos // bs].long() * bs + pos % bs
+            view = PagedLatentView(pool, table, (pos + 1).int(), dst)
+            xt = x[torch.arange(2), pos][:, None]
+            out, normed = m.decode_block(xt, view, in_norm, post_norm)
+            for b in range(2):
+                xb = xt[b : b + 1].double()
+                want_normed, want_out = ref_post(ref(ref_in(xb), caches[b]), residual=xb)
+                assert rel_err(out[b : b + 1], want_out) < 2e-5 and rel_err(normed[b : b + 1], want_normed) < 2e-5
+                written = pool.view(-1, m.cache_width)[dst[b]]
+                assert rel_err(written, caches[b].buf[0, pos[b]]) < 2e-6
+    assert ran["mla"] == 5
+
+
+def test_mla_block_decode_declines_where_it_does_not_apply(ran):
+    """K3's output gate, a low-rank query, more rows than MAX_BLOCK_ROWS, 16-bit, autograd, a padding mask's
+    dense cache in another dtype: None (the caller runs the layer), nothing appended to the cache."""
+    from kimi_linear.ops.native.mla import MAX_BLOCK_ROWS
+
+    B = MAX_BLOCK_ROWS + 1
+    x = torch.randn(B, 1, 48)
+    cases = [(mla_layer(48, output_gate=True), x[:1]), (mla_layer(48, q_lora_rank=16), x[:1]), (mla_layer(48), x)]
+    with torch.no_grad():
+        for m, xs in cases:
+            cache = m.empty_cache(xs.shape[0], torch.float32, x.device)
+            assert m.decode_block(xs, cache) is None and cache.length == 0
+        half = copy.deepcopy(mla_layer(48)).bfloat16()
+        assert half.decode_block(x[:1].bfloat16(), half.empty_cache(1, torch.bfloat16, x.device)) is None
+    m = mla_layer(48)
+    cache = m.empty_cache(1, torch.float32, x.device)
+    assert m.decode_block(x[:1], cache) is None and cache.length == 0                   # gradients wanted
+    assert ran["mla"] == 0
 
 
 def moe_layer(hidden: int, inter: int, shared: int, renormalize: bool, seed: int) -> SparseMoE:

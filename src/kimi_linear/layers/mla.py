@@ -12,6 +12,7 @@ from torch import nn
 from kimi_linear.ops import absorb_query, expand_values, paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
 from kimi_linear.ops.mla_heads import absorb_query_torch, expand_values_torch
+from kimi_linear.ops.native.mla import mla_block_decode
 from kimi_linear.ops.paged import pool_rows
 from kimi_linear.ops.rms_norm import rms_norm_write
 
@@ -33,14 +34,19 @@ class LatentCache:
 
     def append(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, width] -> every cached entry so far, [B, length, width] (a view)."""
-        T = x.shape[1]
+        entries = self.extend(x.shape[1])
+        entries[:, self.length - x.shape[1] :] = x
+        return entries
+
+    def extend(self, T: int) -> torch.Tensor:
+        """Room for T more tokens, counted as cached: every entry, [B, length + T, width] (a view), whose last T
+        the caller writes."""
         need = self.length + T
         if need > self.buf.shape[1]:
             cap = max(need, 2 * self.buf.shape[1], 16)
             grown = self.buf.new_empty(self.buf.shape[0], cap, self.buf.shape[2])
             grown[:, : self.length] = self.buf[:, : self.length]
             self.buf = grown
-        self.buf[:, self.length : need] = x
         self.length = need
         return self.buf[:, :need]
 
@@ -221,6 +227,34 @@ class NoPEMLA(nn.Module):
 
     def empty_cache(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> LatentCache:
         return LatentCache(batch_size, self.cache_width, dtype, device)
+
+    def decode_block(self, x: torch.Tensor, cache: LatentCache | PagedLatentView, in_norm: RMSNorm | None = None,
+                     post_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A CPU decode token from the layer's input to its output projection as one C call
+        (:func:`kimi_linear.ops.native.mla.mla_block_decode`), appending to ``cache``; with the decoder layer's
+        input norm in front and its residual add and next norm behind, as
+        :meth:`kimi_linear.layers.kda.KimiDeltaAttention.decode_block`. For a dense cache without a mask (no
+        padding) or a paged view; None where the call does not apply (then run :meth:`forward`): CUDA, 16-bit,
+        autograd, more rows than it takes, a low-rank query, K3's output gate, biases, unpacked weights."""
+        if (x.device.type != "cpu" or x.dim() != 3 or x.shape[1] != 1 or self.q_lora_rank is not None
+                or self.output_gate or self._pack is None or not self._pack.valid() or self.o_proj.bias is not None
+                or not isinstance(cache, (LatentCache, PagedLatentView))):
+            return None
+        norm = self.kv_a_layernorm
+        args = dict(num_heads=self.num_heads, nope=self.nope, rope=self.rope, scale=self.scale,
+                    in_norm=None if in_norm is None else (in_norm.weight, in_norm.eps),
+                    post_norm=None if post_norm is None else (post_norm.weight, post_norm.eps))
+        weights = (self._pack.weight, (norm.weight, norm.eps), self.kv_b_proj.weight, self.o_proj.weight)
+        if isinstance(cache, PagedLatentView):
+            return mla_block_decode(x, *weights, cache=cache.data, lengths=cache.seq_lens.long(),
+                                    block_table=cache.block_table.long(), dst=cache.dst.long(), **args)
+        if cache.buf.dtype != x.dtype:
+            return None
+        entries = cache.extend(1)                                                    # [B, L, C + rope]
+        done = mla_block_decode(x, *weights, cache=entries, lengths=torch.tensor([entries.shape[1]]), **args)
+        if done is None:
+            cache.length -= 1                                                        # nothing written
+        return done
 
     def forward(
         self,

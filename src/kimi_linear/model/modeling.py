@@ -121,8 +121,8 @@ class KimiLinearDecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         o_proj = getattr(self.self_attn, "o_proj", None)
         done = None
-        if (isinstance(self.self_attn, KimiDeltaAttention) and cache is not None and padding_mask is None
-                and cu_seqlens is None and context_parallel is None):
+        if (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and cache is not None and padding_mask is None
+                and attn_mask is None and cu_seqlens is None and context_parallel is None):
             # a CPU decode step: input norm, attention and the residual add + next norm as one C call
             done = self.self_attn.decode_block(x, cache, self.input_layernorm, norm)
         if done is not None:

@@ -49,12 +49,14 @@ SIGNATURES = {
                        _P, _P, _I32, _F32, _P, _F32, _F32, _P, _I32],
     "kda_block_decode_f32": [_I64] * 7 + [_P, _P, _F32] + [_P, _I64, _I64] * 3 + [_P] * 6 + [_P, _P, _I32, _F32]
                             + [_P, _F32, _F32] + [_P, _I64, _I64, _P, _F32] + [_P, _P, _I32],
+    "mla_block_decode_f32": [_I64] * 7 + [_P, _P, _F32] + [_P, _I64, _I64, _P, _F32] + [_P, _I64, _I64, _F32]
+                            + [_P, _I64, _P, _I64, _I64, _P, _P] + [_P, _I64, _I64, _P, _F32] + [_P, _P, _I32],
     "glu_rows_f32": [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I32],
     "moe_rows_f32": [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32, _F32, _I64, _P, _I64, _I64, _I64, _P, _I64,
                      _I64, _I64, _P, _P, _P, _P, _P, _I32],
 }
 
-RETURNS_STATUS = {"kda_decode_f32", "kda_block_decode_f32", "moe_rows_f32"}
+RETURNS_STATUS = {"kda_decode_f32", "kda_block_decode_f32", "mla_block_decode_f32", "moe_rows_f32"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -71,6 +73,18 @@ def cpu_float32_inference(*tensors: torch.Tensor | None) -> bool:
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in ts):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
+def matrix_strides(w: torch.Tensor) -> tuple[int, int] | None:
+    """(row, column) strides of a 2-D weight with a contiguous row or column (the layouts the C products read),
+    else None."""
+    so, si = w.stride()
+    return (so, si) if so == 1 or si == 1 else None
+
+
+def norm_args(norm: tuple[torch.Tensor, float] | None) -> tuple[int | None, float]:
+    """An optional RMSNorm ``(weight, eps)`` as a C call's (pointer or NULL, eps) pair."""
+    return (None, 0.0) if norm is None else (norm[0].data_ptr(), norm[1])
 
 
 def cache_dir() -> Path:

@@ -276,6 +276,14 @@ static void share_of_products(const float *M, int64_t so, int64_t si, const floa
     products(M, so, si, X, ldx, NULL, n, n_in, Y, ldy, n_out * tid / nt, n_out * (tid + 1) / nt);
 }
 
+/* A block call's input h [B, Dm]: rms_norm(x) * in_norm_w, or x itself when in_norm_w is NULL. */
+static void layer_input(const float *x, const float *in_norm_w, float in_eps, int64_t B, int64_t Dm, float *h) {
+    if (in_norm_w)
+        for (int64_t b = 0; b < B; b++) rms_norm_row(x + b * Dm, in_norm_w, in_eps, Dm, h + b * Dm);
+    else
+        memcpy(h, x, (size_t)(B * Dm) * sizeof(float));
+}
+
 /* A KDA decoder layer's attention half for B decode tokens, as one call (layers.kda.KimiDeltaAttention.
  * decode_block): the input norm, the packed input projection, the gates' up-projections, the step of
  * kda_decode_f32, the output projection, and the residual add with the next norm. Between the first norm and the
@@ -309,10 +317,7 @@ int32_t kda_block_decode_f32(
     if (!scratch) return -2;
     float *h = scratch, *proj = h + B * Dm, *g = proj + B * n_pack, *gate = g + B * HD, *o = gate + B * HD;
     float *delta = post_norm_w ? o + B * HD : out;
-    if (in_norm_w)
-        for (int64_t b = 0; b < B; b++) rms_norm_row(x + b * Dm, in_norm_w, in_eps, Dm, h + b * Dm);
-    else
-        memcpy(h, x, (size_t)(B * Dm) * sizeof(float));
+    layer_input(x, in_norm_w, in_eps, B, Dm, h);
     const KDAStep p = {H, D, W, proj, g, Gb ? gate : proj + 3 * HD + R, proj + 3 * HD + R + gate_w,
                        n_pack, HD, Gb ? HD : n_pack, n_pack,
                        conv_w, win_in, S_in, A_log, dt_bias, norm_w, win_out, S_out, o, has_lower_bound,
@@ -338,6 +343,105 @@ int32_t kda_block_decode_f32(
         }
         /* (the worksharing loop ends in a barrier: every head's o is written) */
         share_of_products(Wo, Wo_so, Wo_si, o, HD, B, HD, Dm, delta, Dm, tid, nt);
+    }
+    if (post_norm_w)
+        add_rms_norm_f32(x, delta, post_norm_w, post_eps, B, Dm, out, normed);
+    free(scratch);
+    return 0;
+}
+
+/* An MLA decoder layer's attention half for B decode tokens, as one call (layers.mla.NoPEMLA.decode_block): the
+ * input norm, the packed projection [q | latent | rope key], the new cache entry [rms_norm(latent) | rope key]
+ * written into the cache, attention in latent space (docs/model.md §4: per head the absorbed query
+ * [q_nope W_k | q_rope] against every entry, softmax, ctx = p [entries' latents], o = W_v ctx), o_proj, and the
+ * residual add with the next norm. Products split between the threads by output feature; the attention by
+ * (sequence, head).
+ *
+ * x [B, Dm]; P [H*(nope+R) + C + R, Dm] (P_so, P_si); kv_norm_w [C]; Wkv [H*(nope+v), C] kv_b_proj's weight
+ * (Wkv_so, Wkv_si): W_k of head h its rows h(nope+v) .. +nope, W_v the v after them; Wo [Dm, H*v].
+ * The cache, entries of C + R floats: dense (block_table NULL) row b's entries at cache + b*row_stride + j*(C+R),
+ * lengths[0] entries each after this token's; paged, entry j of row b at pool row
+ * block_table[b*table_stride + j/block_size]*block_size + j%block_size, lengths[b] of them; the new entry goes to
+ * the last position (dense) or to pool row dst[b] (paged). in_norm_w / post_norm_w as in kda_block_decode_f32.
+ * Returns 0, or -2 when the scratch cannot be had. */
+int32_t mla_block_decode_f32(
+    int64_t B, int64_t Dm, int64_t H, int64_t nope, int64_t R, int64_t v, int64_t C,
+    const float *x, const float *in_norm_w, float in_eps,
+    const float *P, int64_t P_so, int64_t P_si, const float *kv_norm_w, float kv_eps,
+    const float *Wkv, int64_t Wkv_so, int64_t Wkv_si, float scale,
+    float *cache, int64_t row_stride, const int64_t *block_table, int64_t table_stride, int64_t block_size,
+    const int64_t *lengths, const int64_t *dst,
+    const float *Wo, int64_t Wo_so, int64_t Wo_si, const float *post_norm_w, float post_eps,
+    float *out, float *normed, int32_t threads)
+{
+    const int64_t E = C + R, qk = nope + R, n_pack = H * qk + E;
+    int64_t L_max = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = lengths[block_table ? b : 0];
+        L_max = L > L_max ? L : L_max;
+    }
+    /* scratch: h [B, Dm], the projection [B, n_pack], o [B, H v], delta [B, Dm]; per (row, head): absorbed query
+     * [E], ctx [C], scores [L_max] */
+    const int64_t per_row = Dm + n_pack + H * v + Dm, per_head = E + C + L_max;
+    float *scratch = malloc((size_t)(B * per_row + B * H * per_head) * sizeof(float));
+    if (!scratch) return -2;
+    float *h = scratch, *proj = h + B * Dm, *o = proj + B * n_pack, *rows_delta = o + B * H * v;
+    float *heads = rows_delta + B * Dm, *delta = post_norm_w ? rows_delta : out;
+    layer_input(x, in_norm_w, in_eps, B, Dm, h);
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        const int64_t tid = thread_index(), nt = thread_count();
+        share_of_products(P, P_so, P_si, h, Dm, B, Dm, n_pack, proj, n_pack, tid, nt);
+        BARRIER
+#ifdef _OPENMP
+#pragma omp single
+#endif
+        for (int64_t b = 0; b < B; b++) {       /* the new entries: [rms_norm(latent) | rope key] */
+            const int64_t L = lengths[block_table ? b : 0];
+            float *e = block_table ? cache + dst[b] * E : cache + b * row_stride + (L - 1) * E;
+            const float *kv = proj + b * n_pack + H * qk;
+            rms_norm_row(kv, kv_norm_w, kv_eps, C, e);
+            memcpy(e + C, kv + C, (size_t)R * sizeof(float));
+        }
+        /* (the single construct ends in a barrier: every entry is written) */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t i = 0; i < B * H; i++) {
+            const int64_t b = i / H, hd = i % H, L = lengths[block_table ? b : 0];
+            float *qa = heads + i * per_head, *ctx = qa + E, *s = ctx + C;
+            const float *q = proj + b * n_pack + hd * qk;
+            /* absorbed query: qa[c] = sum_n q_nope[n] W_k[n, c] (W_k's element (n, c) as M's (c, n)), then q_rope */
+            const float *Wk = Wkv + hd * (nope + v) * Wkv_so;
+            products(Wk, Wkv_si, Wkv_so, q, nope, NULL, 1, nope, qa, C, 0, C);
+            memcpy(qa + C, q + nope, (size_t)R * sizeof(float));
+            float m = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                const float *e = block_table
+                    ? cache + (block_table[b * table_stride + j / block_size] * block_size + j % block_size) * E
+                    : cache + b * row_stride + j * E;
+                float acc = 0.0f;
+                for (int64_t c = 0; c < E; c++) acc += qa[c] * e[c];
+                s[j] = acc * scale;
+                m = s[j] > m ? s[j] : m;
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < L; j++) { s[j] = expf(s[j] - m); total += s[j]; }
+            for (int64_t c = 0; c < C; c++) ctx[c] = 0.0f;
+            for (int64_t j = 0; j < L; j++) {
+                const float *e = block_table
+                    ? cache + (block_table[b * table_stride + j / block_size] * block_size + j % block_size) * E
+                    : cache + b * row_stride + j * E;
+                const float pj = s[j] / total;
+                for (int64_t c = 0; c < C; c++) ctx[c] += pj * e[c];
+            }
+            const float *Wv = Wkv + (hd * (nope + v) + nope) * Wkv_so;
+            products(Wv, Wkv_so, Wkv_si, ctx, C, NULL, 1, C, o + b * H * v + hd * v, H * v, 0, v);
+        }
+        share_of_products(Wo, Wo_so, Wo_si, o, H * v, B, H * v, Dm, delta, Dm, tid, nt);
     }
     if (post_norm_w)
         add_rms_norm_f32(x, delta, post_norm_w, post_eps, B, Dm, out, normed);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_float32_inference, library
+from . import cpu_float32_inference, library, matrix_strides, norm_args
 
 # Rows up to which kda_block_decode runs: its products are plain loops over the weights, which beat the per-op
 # overhead of the PyTorch path on a few rows and lose to BLAS's matrix products on many. `small` preset, the
@@ -79,12 +79,6 @@ def kda_decode(
     return out, new_window, new_memory
 
 
-def _matrix_strides(w: torch.Tensor) -> tuple[int, int] | None:
-    """(row, column) strides of a 2-D weight with a contiguous row or column, else None."""
-    so, si = w.stride()
-    return (so, si) if so == 1 or si == 1 else None
-
-
 def kda_block_decode(
     x: torch.Tensor, packed: torch.Tensor, f_b: torch.Tensor, g_b: torch.Tensor | None, conv_weight: torch.Tensor,
     window: torch.Tensor, memory: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -105,7 +99,7 @@ def kda_block_decode(
     lib = library()
     if lib is None or x.dim() != 3 or x.shape[1] != 1 or not 0 < x.shape[0] <= MAX_BLOCK_ROWS:
         return None
-    norms = [t for pair in (in_norm, post_norm) if pair is not None for t in pair[:1]]
+    norms = [pair[0] for pair in (in_norm, post_norm) if pair is not None]
     if not cpu_float32_inference(x, packed, f_b, g_b, conv_weight, window, memory, A_log, dt_bias, norm_weight,
                                  o_weight, *norms):
         return None
@@ -114,8 +108,8 @@ def kda_block_decode(
     H, HD = A_log.numel(), o_weight.shape[1]
     D, R, W, S = HD // H, f_b.shape[1], conv_weight.shape[0], window.shape[0]
     G = HD if g_b is None else R
-    strides = [_matrix_strides(w) for w in (packed, f_b, o_weight)] + [(0, 0) if g_b is None else
-                                                                        _matrix_strides(g_b)]
+    strides = [matrix_strides(w) for w in (packed, f_b, o_weight)] + [(0, 0) if g_b is None else
+                                                                        matrix_strides(g_b)]
     if (any(s is None for s in strides) or H * D != HD or tuple(packed.shape) != (3 * HD + R + G + H, Dm)
             or tuple(f_b.shape) != (HD, R) or (g_b is not None and tuple(g_b.shape) != (HD, R))
             or tuple(o_weight.shape) != (Dm, HD) or tuple(conv_weight.shape) != (W, 3 * HD) or W < 2
@@ -138,13 +132,13 @@ def kda_block_decode(
     (p_so, p_si), (f_so, f_si), (o_so, o_si), (g_so, g_si) = strides
     status = lib.kda_block_decode_f32(
         B, Dm, H, D, R, W, S,
-        x.data_ptr(), None if in_norm is None else in_norm[0].data_ptr(), 0.0 if in_norm is None else in_norm[1],
+        x.data_ptr(), *norm_args(in_norm),
         packed.data_ptr(), p_so, p_si, f_b.data_ptr(), f_so, f_si, None if g_b is None else g_b.data_ptr(), g_so,
         g_si, conv_weight.data_ptr(), window.data_ptr(), new_window.data_ptr(), memory.data_ptr(),
         new_memory.data_ptr(), rows_ptr, A_log.data_ptr(), dt_bias.data_ptr(), lower_bound is not None,
         0.0 if lower_bound is None else lower_bound, norm_weight.data_ptr(), norm_eps, scale,
-        o_weight.data_ptr(), o_so, o_si, None if post_norm is None else post_norm[0].data_ptr(),
-        0.0 if post_norm is None else post_norm[1], out.data_ptr(), None if normed is None else normed.data_ptr(),
+        o_weight.data_ptr(), o_so, o_si, *norm_args(post_norm), out.data_ptr(),
+        None if normed is None else normed.data_ptr(),
         torch.get_num_threads(),
     )
     if status == -1:
