@@ -11,6 +11,7 @@ from torch import nn
 
 from kimi_linear.ops import absorb_query, expand_values, paged_mla_decode
 from kimi_linear.ops.attention import attention_lse, merge_attention
+from kimi_linear.ops.backend import triton_op
 from kimi_linear.ops.mla_heads import absorb_query_torch, expand_values_torch
 from kimi_linear.ops.native.mla import mla_block_decode
 from kimi_linear.ops.paged import pool_rows
@@ -238,7 +239,8 @@ class NoPEMLA(nn.Module):
         autograd, more rows than it takes, a low-rank query, K3's output gate, biases, unpacked weights."""
         if (x.device.type != "cpu" or x.dim() != 3 or x.shape[1] != 1 or self.q_lora_rank is not None
                 or self.output_gate or self._pack is None or not self._pack.valid() or self.o_proj.bias is not None
-                or not isinstance(cache, (LatentCache, PagedLatentView))):
+                or not isinstance(cache, (LatentCache, PagedLatentView))
+                or triton_op("paged_mla_decode", x) is not None):      # (CPU under the Triton interpreter)
             return None
         norm = self.kv_a_layernorm
         args = dict(num_heads=self.num_heads, nope=self.nope, rope=self.rope, scale=self.scale,
