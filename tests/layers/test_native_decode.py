@@ -419,3 +419,25 @@ def test_kda_decode_rejects_bad_rows_and_shapes():
         kda_decode(**{**args, "beta": torch.randn(2, 1, H + 1)}, rows=torch.tensor([2, 0]))
     with pytest.raises(ValueError, match="one row per sequence"):
         kda_decode(**args)
+
+
+def test_model_decode_steps_run_the_block_calls(ran, monkeypatch):
+    """The tiny model's greedy `generate` on a CPU: every decode step's KDA and MLA layers go through their block
+    calls (one sequence and three), and the tokens equal those of the PyTorch ops (C kernels off)."""
+    from kimi_linear.model import KimiLinearForCausalLM
+    from kimi_linear.model.config import preset_config
+
+    model = KimiLinearForCausalLM(preset_config("tiny"))
+    model.init_weights(0)
+    model.eval().optimize_layout()
+    kinds = [layer.is_kda for layer in model.model.layers]
+    assert 0 < sum(kinds) < len(kinds)                                    # both kinds of layer
+    ids = torch.randint(0, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(27))
+    for rows in (1, 3):
+        ran.update(block=0, mla=0)
+        got = model.generate(ids[:rows], max_new_tokens=5, min_new_tokens=5)
+        steps = 4                                                         # the decode steps after the prefill
+        assert ran["block"] == steps * sum(kinds) and ran["mla"] == steps * (len(kinds) - sum(kinds))
+        monkeypatch.setenv("KIMI_LINEAR_NATIVE", "0")
+        assert torch.equal(got, model.generate(ids[:rows], max_new_tokens=5, min_new_tokens=5))
+        monkeypatch.delenv("KIMI_LINEAR_NATIVE")

@@ -120,22 +120,22 @@ class KimiLinearDecoderLayer(nn.Module):
             return state.blocks, state.partial
         norm = self.post_attention_layernorm
         o_proj = getattr(self.self_attn, "o_proj", None)
-        done = None
-        if (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and cache is not None and padding_mask is None
-                and attn_mask is None and cu_seqlens is None and context_parallel is None):
-            # a CPU decode step: input norm, attention and the residual add + next norm as one C call
-            done = self.self_attn.decode_block(x, cache, self.input_layernorm, norm)
-        if done is not None:
-            x, normed = done
-        elif (isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and context_parallel is None
-                and o_proj.bias is None and project_fused(x, o_proj.weight, norm.weight)):
+        ours = isinstance(self.self_attn, (KimiDeltaAttention, NoPEMLA)) and context_parallel is None
+        block = None
+        if ours and o_proj.bias is None and project_fused(x, o_proj.weight, norm.weight):
             # a decode step: the output projection's split-K partial sums go straight into the add + norm kernel
             o = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, project=False)
             x, normed = project_add_rms_norm(x, o, o_proj.weight, norm.weight, norm.eps)
         else:
-            h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
-            # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
-            normed, x = norm(h, residual=x)
+            if ours and cache is not None and padding_mask is None and attn_mask is None and cu_seqlens is None:
+                # a CPU decode step: input norm, attention and the residual add + next norm as one C call
+                block = self.self_attn.decode_block(x, cache, self.input_layernorm, norm)
+            if block is not None:
+                x, normed = block
+            else:
+                h = self._attn(self.input_layernorm(x), cache, padding_mask, attn_mask, cu_seqlens, context_parallel)
+                # x + h and its norm in one go (one Triton kernel on CUDA at inference: decoding pays per kernel)
+                normed, x = norm(h, residual=x)
         if self.is_moe:
             return self.block_sparse_moe(normed, residual=x)       # the fused MoE adds x in its combine
         return x + self.mlp(normed)
