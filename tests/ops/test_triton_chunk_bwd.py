@@ -260,8 +260,9 @@ def test_float16_gate_parameter_gradients_masked_gates():
 def test_strong_decay_gradients(case, dtype, monkeypatch):
     """Gradients of every input (dq, dk, dv, dbeta, dg, the initial state; dA_log and ddt_bias through the
     in-kernel softplus gate with A_log = log U(1, 16), about -6.7 a step) in the strong-decay regime of issue 20,
-    where the diagonal blocks' score gradients must take the reference-row levels (chunk_bwd.diagonal_level_grads,
-    counted). Mild and strong channels and -1000 steps in the same chunks, packed sequences of 70 and 130 tokens
+    where the diagonal blocks' score gradients must take the reference-row levels (chunk_bwd.diagonal_level_grads)
+    for float32 inputs and the clamped gate steps (chunk_bwd.clamped_diagonal_grads) for bf16 (counted). Mild and
+    strong channels and -1000 steps in the same chunks, packed sequences of 70 and 130 tokens
     and an empty one; -1000 on every 7th step and 0 on every 5th. Float32 bar 1e-4, bf16 2e-2 (the file's), and
     6e-3 for bf16 dA_log and ddt_bias: they sum dG over every token, weighted by gates of about -6.7, so the
     diagonal blocks' row and column shares of dG must cancel pair by pair (chunk_bwd.diagonal_level_grads forms
@@ -269,7 +270,8 @@ def test_strong_decay_gradients(case, dtype, monkeypatch):
     1.3e-2 and 6.8e-3 off here; 2.1e-3 and 3.4e-3 as they are."""
     from kimi_linear.ops.triton import chunk_bwd
 
-    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
+    calls = spy_calls(monkeypatch, chunk_bwd,
+                      "diagonal_level_grads" if dtype == torch.float32 else "clamped_diagonal_grads")
     bar = 1e-4 if dtype == torch.float32 else 2e-2
     if case.startswith("softplus"):
         opts, params = strong_gate(2, 32, seed=71)
@@ -335,11 +337,13 @@ def test_reference_row_level_gradients_on_every_diagonal_block(dtype, monkeypatc
     included (chunk_common.SAFE_EXP forced to -1, forward too), so that every pair of a block carries weight: the
     in-kernel softplus gate with exp(A_log) in [3, 5] decays by about 3 a step (not separable over 32 rows, about
     50 per sub-block: the fast product's regime). dA_log and ddt_bias collect dG over every token, so the diagonal
-    blocks' row and column shares of dG must cancel pair by pair."""
+    blocks' row and column shares of dG must cancel pair by pair. bf16 inputs take the clamped gate steps there
+    (chunk_bwd.clamped_diagonal_grads), float32 the levels (chunk_bwd.diagonal_level_grads)."""
     from kimi_linear.ops.triton import chunk_bwd
 
     force_levels(monkeypatch)
-    calls = spy_calls(monkeypatch, chunk_bwd, "diagonal_level_grads")
+    calls = spy_calls(monkeypatch, chunk_bwd,
+                      "diagonal_level_grads" if dtype == torch.float32 else "clamped_diagonal_grads")
     x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=75)
     gen = torch.Generator().manual_seed(76)
     params = dict(A_log=torch.empty(2).uniform_(3, 5, generator=gen).log(),

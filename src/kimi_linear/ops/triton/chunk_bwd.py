@@ -39,6 +39,7 @@ from .chunk_common import (
     chunk_gate_terms,
     chunk_kind,
     chunk_separable,
+    clamped_diagonal_factors,
     earlier_factor,
     gate_tiles,
     grid_coords,
@@ -217,6 +218,36 @@ def diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, 
 
 
 @triton.jit
+def clamped_diagonal_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0, T_n, i_hv, o_k,
+                           HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """:func:`diagonal_grads`' strong path for 16-bit inputs, added to (dq, dk from rows, dk from columns, dG): the
+    forward's clamped gate steps (chunk_common.clamped_diagonal_factors, 16-bit precision at any gate) give row
+    factors ``e = exp(c - m)`` and column factors ``1 / e``, and with the operands ``Q' = q e``, ``K'r = k e``,
+    ``K'c = k / e`` (rounded once for PREC)
+
+        dq += e (dAq K'c)      dk_rows += e (dAk K'c)      dk_cols += (dAq^T Q' + dAk^T K'r) / e
+        dG += Q' (dAq K'c) + K'r (dAk K'c) - K'c (dAq^T Q' + dAk^T K'r)
+
+    four [BC, BC] x [BC, BK] products, one set for the block, where the levels take four sets. dG comes from the
+    rounded operands themselves, as in :func:`diagonal_level_grads`, so each pair's row and column shares cancel.
+    dA is strictly lower: a kept pair j < i has ``c_j >= c_i``, so ``e_i / e_j <= 1`` and nothing overflows."""
+    b_e, b_ie = clamped_diagonal_factors(gP, b_P, bos, r0, T_n, i_hv, HV, K, o_k, BC, BC)   # [BC, BK] x2
+    b_aq = tf32_operand(b_dAq, PREC)
+    b_ak = tf32_operand(b_dAk, PREC)
+    b_qr = tf32_operand(b_q * b_e, PREC)
+    b_kr = tf32_operand(b_k * b_e, PREC)
+    b_kc = tf32_operand(b_k * b_ie, PREC)
+    b_rq = mm_rounded(b_aq, b_kc, tl.zeros_like(b_kc), PREC)                     # [BC, BK] dAq K'c
+    b_rk = mm_rounded(b_ak, b_kc, tl.zeros_like(b_kc), PREC)                     # dAk K'c
+    b_c = mm_rounded(tl.trans(b_ak), b_kr, mm_rounded(tl.trans(b_aq), b_qr, tl.zeros_like(b_kc), PREC), PREC)
+    b_dq += b_e * b_rq
+    b_dkr += b_e * b_rk
+    b_dkc += b_ie * b_c
+    b_dG += b_qr * b_rq + b_kr * b_rk - b_kc * b_c
+    return b_dq, b_dkr, b_dkc, b_dG
+
+
+@triton.jit
 def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0, T_n, i_hv, o_k,
                    HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """The diagonal block's score gradients added to the sub-block's (dq, dk from rows, dk from columns), [BC, BK]
@@ -225,10 +256,12 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
     sub-block's gate gradient ``dG = q dq + k (dk_rows - dk_columns)``.
 
     When every |gP| < SAFE_EXP, ``exp(gP_i - gP_j) = exp(gP_i) exp(-gP_j)`` (both factors fit float32): four
-    products. Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows) every pair
-    j < i is factored through a reference row r, j <= r < i, ``exp(gP_i - gP_r) exp(gP_r - gP_j)``, both factors
-    <= 1, by the four levels S = 16, 8, 4, 2 of the forward (chunk_wy.diagonal_levels): four products per level
-    (:func:`diagonal_level_grads`, which also adds the block's share of dG), exact at any gate."""
+    products. Otherwise (strong decay, e.g. padding gates of -1000, where ``exp(-gP_j)`` overflows): for 16-bit
+    inputs (``PREC`` not "ieee") through the forward's clamped gate steps, four products
+    (:func:`clamped_diagonal_grads`); for float32 every pair j < i is factored through a reference row r,
+    j <= r < i, ``exp(gP_i - gP_r) exp(gP_r - gP_j)``, both factors <= 1, by the four levels S = 16, 8, 4, 2 of the
+    forward (chunk_wy.diagonal_levels): four products per level (:func:`diagonal_level_grads`), exact at any gate.
+    Both strong paths also add the block's share of dG."""
     if tl.max(tl.abs(b_P)) < SAFE_EXP:
         b_e = tl.exp(b_P)
         b_ie = tl.exp(-b_P)
@@ -237,6 +270,10 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
         b_dkr += b_e * mm(b_dAk, b_kie, PREC)
         b_dkc += b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
         b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)
+    elif PREC != "ieee":
+        b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                            # the earlier and later blocks' share
+        b_dq, b_dkr, b_dkc, b_dG = clamped_diagonal_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
+                                                          bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC)
     else:
         b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                            # the earlier and later blocks' share
         b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
