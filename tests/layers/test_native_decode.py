@@ -269,7 +269,8 @@ def test_mla_block_decode_matches_float64(ran, hidden, B, transposed):
 def test_mla_block_decode_over_a_paged_pool(ran):
     """A paged pool (shuffled blocks, unused slots NaN, int32 tables as the engine makes them): each new entry goes
     to its row's ``dst``, the attention reads through the block table, and the outputs match the float64 layer over
-    a dense cache; rows of different lengths."""
+    a dense cache; rows of different lengths. A table naming a block outside the pool, a length past the table's
+    reach or a destination outside the pool raise, naming the argument, before anything is written."""
     m = mla_layer(48)
     in_norm, post_norm = norms(48, seed=24)
     ref, ref_in, ref_post = (copy.deepcopy(t).double() for t in (m, in_norm, post_norm))
@@ -299,6 +300,13 @@ def test_mla_block_decode_over_a_paged_pool(ran):
                 written = pool.view(-1, m.cache_width)[dst[b]]
                 assert rel_err(written, caches[b].buf[0, pos[b]]) < 2e-6
     assert ran["mla"] == 5
+    for bad_table, lens, where, what in ((table.clone().fill_(P + 1), pos + 1, dst, "block_table"),
+                                         (table, torch.tensor([1, nb * bs + 1]), dst, "lengths"),
+                                         (table, pos + 1, dst + pool.shape[0] * bs, "dst")):
+        before = pool.clone()
+        with torch.no_grad(), pytest.raises((IndexError, ValueError), match=what):
+            m.decode_block(xt, PagedLatentView(pool, bad_table, lens.int(), where))
+        assert torch.equal(pool.nan_to_num(), before.nan_to_num())                 # nothing written
 
 
 def test_mla_block_decode_declines_where_it_does_not_apply(ran):

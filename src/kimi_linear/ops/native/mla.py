@@ -11,6 +11,27 @@ from . import cpu_float32_inference, library, matrix_strides, norm_args
 MAX_BLOCK_ROWS = 8
 
 
+def check_paged_ranges(pool: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
+                       dst: torch.Tensor) -> None:
+    """The C call reads the pool wherever the table and lengths point and writes at ``dst``: every table entry a
+    block of the pool (the engine's tables name the scratch block where unused), each length within the table's
+    reach, each destination a row of the pool; else an error names the argument (the PyTorch path's gather would
+    raise too)."""
+    num_blocks, block_size = pool.shape[0], pool.shape[1]
+    lo, hi = torch.aminmax(block_table)
+    if lo < 0 or hi >= num_blocks:
+        raise IndexError(f"mla_block_decode: `block_table` names blocks outside the pool's {num_blocks}: "
+                         f"{int(lo)} .. {int(hi)}")
+    lo, hi = torch.aminmax(lengths)
+    if lo < 0 or hi > block_table.shape[1] * block_size:
+        raise ValueError(f"mla_block_decode: `lengths` must lie in [0, {block_table.shape[1] * block_size}] (the "
+                         f"table's blocks of {block_size}), got {int(lo)} .. {int(hi)}")
+    lo, hi = torch.aminmax(dst)
+    if lo < 0 or hi >= num_blocks * block_size:
+        raise IndexError(f"mla_block_decode: `dst` must name rows of the {num_blocks * block_size}-row pool, got "
+                         f"{int(lo)} .. {int(hi)}")
+
+
 def mla_block_decode(
     x: torch.Tensor, packed: torch.Tensor, kv_norm: tuple[torch.Tensor, float], kv_b: torch.Tensor,
     o_weight: torch.Tensor, num_heads: int, nope: int, rope: int, scale: float, cache: torch.Tensor,
@@ -54,6 +75,7 @@ def mla_block_decode(
                 and block_table.shape[0] == B and dst is not None and dst.dtype == torch.int64
                 and dst.is_contiguous() and tuple(dst.shape) == (B,) and tuple(lengths.shape) == (B,)):
             return None
+        check_paged_ranges(cache, block_table, lengths, dst)
     elif cache.shape[0] != B or lengths.numel() != 1 or not 0 < int(lengths[0]) <= cache.shape[1]:
         return None
     out = torch.empty(B, 1, Dm)
