@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -219,6 +220,25 @@ class KimiDeltaAttention(nn.Module):
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         return self._derived("conv", ws, dtype, lambda ws: torch.cat(ws, 0)[:, 0].t())
 
+    def _native_step(self, call, state: KDAState | PooledKDAState, dtype: torch.dtype, *after) -> list | None:
+        """One of the C decode calls of :mod:`kimi_linear.ops.native.kda` on ``state``: ``call`` takes the layer's
+        conv taps, the state's windows and memories, its gate and norm constants, then ``after`` and the pool
+        ``rows``, and returns its outputs followed by the new window and memory (or None: the call does not
+        apply). A serving pool is updated in place by the call; a KDAState takes the new tensors here. Returns the
+        outputs (or None)."""
+        pooled = isinstance(state, PooledKDAState)
+        done = call(
+            self._conv_weight(dtype), state.conv_pool if pooled else state.conv,
+            state.rec_pool if pooled else state.recurrent, self.A_log.view(-1), self.dt_bias, self.gate_lower_bound,
+            self.o_norm.weight, self.o_norm.eps, self.head_dim**-0.5, *after, rows=state.index if pooled else None,
+        )
+        if done is None:
+            return None
+        *outputs, window, memory = done
+        if not pooled:
+            state.conv, state.recurrent = window, memory
+        return outputs
+
     def _decode_native(self, qkv: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, beta_raw: torch.Tensor,
                        state: KDAState | PooledKDAState) -> torch.Tensor | None:
         """A decode token's conv, gates, memory update and output norm as one CPU kernel call
@@ -226,19 +246,8 @@ class KimiDeltaAttention(nn.Module):
         None where the kernel does not apply (CUDA, 16-bit, autograd, no C compiler): then the PyTorch ops run."""
         if qkv.device.type != "cpu" or triton_op("short_conv", qkv) is not None:   # (CPU under the interpreter)
             return None
-        pooled = isinstance(state, PooledKDAState)
-        done = kda_decode(
-            qkv, g, gate, beta_raw, self._conv_weight(qkv.dtype),
-            state.conv_pool if pooled else state.conv, state.rec_pool if pooled else state.recurrent,
-            self.A_log.view(-1), self.dt_bias, self.gate_lower_bound, self.o_norm.weight, self.o_norm.eps,
-            self.head_dim**-0.5, rows=state.index if pooled else None,
-        )
-        if done is None:
-            return None
-        o, window, memory = done
-        if not pooled:
-            state.conv, state.recurrent = window, memory
-        return o
+        done = self._native_step(partial(kda_decode, qkv, g, gate, beta_raw), state, qkv.dtype)
+        return None if done is None else done[0]
 
     def decode_block(self, x: torch.Tensor, state: KDAState | PooledKDAState, in_norm: RMSNorm | None = None,
                      post_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -254,21 +263,11 @@ class KimiDeltaAttention(nn.Module):
                 or self.o_proj.bias is not None or not isinstance(state, (KDAState, PooledKDAState))
                 or triton_op("short_conv", x) is not None):
             return None
-        pooled = isinstance(state, PooledKDAState)
         norms = [None if n is None else (n.weight, n.eps) for n in (in_norm, post_norm)]
-        done = kda_block_decode(
-            x, self._pack.weight, self.f_b_proj.weight, None if self.full_rank_gate else self.g_b_proj.weight,
-            self._conv_weight(x.dtype), state.conv_pool if pooled else state.conv,
-            state.rec_pool if pooled else state.recurrent, self.A_log.view(-1), self.dt_bias, self.gate_lower_bound,
-            self.o_norm.weight, self.o_norm.eps, self.head_dim**-0.5, self.o_proj.weight, *norms,
-            rows=state.index if pooled else None,
-        )
-        if done is None:
-            return None
-        out, normed, window, memory = done
-        if not pooled:
-            state.conv, state.recurrent = window, memory
-        return out, normed
+        call = partial(kda_block_decode, x, self._pack.weight, self.f_b_proj.weight,
+                       None if self.full_rank_gate else self.g_b_proj.weight)
+        done = self._native_step(call, state, x.dtype, self.o_proj.weight, *norms)
+        return None if done is None else (done[0], done[1])
 
     def forward(
         self,

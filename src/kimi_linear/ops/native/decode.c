@@ -147,6 +147,13 @@ static void kda_decode_heads(const KDAStep *p, int64_t b, int64_t row, int64_t h
     }
 }
 
+/* Whether every rows[b] (b < B) names a row of a pool of n_rows; rows NULL: yes. */
+static int rows_in_range(const int64_t *rows, int64_t B, int64_t n_rows) {
+    for (int64_t b = 0; rows && b < B; b++)
+        if (rows[b] < 0 || rows[b] >= n_rows) return 0;
+    return 1;
+}
+
 /* One KDA decode token for B sequences: the short convolution, the gates, the delta-rule update and the gated
  * output norm of one layer (layers.kda.KimiDeltaAttention with use_qk_l2norm, beta sigmoid and the gate in
  * kernel, as the layer always runs the operator). H heads of size D (K = V = D), C = 3*H*D conv channels,
@@ -184,8 +191,7 @@ int32_t kda_decode_f32(
     const float *norm_w, float norm_eps, float scale,
     float *out, int32_t threads)
 {
-    for (int64_t b = 0; rows && b < B; b++)
-        if (rows[b] < 0 || rows[b] >= n_rows) return -1;     /* before anything is written */
+    if (!rows_in_range(rows, B, n_rows)) return -1;          /* before anything is written */
     const KDAStep p = {H, D, W, qkv, g_raw, gate_raw, beta_raw, qkv_stride, g_stride, gate_stride, beta_stride,
                        conv_w, win_in, S_in, A_log, dt_bias, norm_w, win_out, S_out, out, has_lower_bound,
                        lower_bound, norm_eps, scale};
@@ -308,8 +314,7 @@ int32_t kda_block_decode_f32(
     const float *Wo, int64_t Wo_so, int64_t Wo_si, const float *post_norm_w, float post_eps,
     float *out, float *normed, int32_t threads)
 {
-    for (int64_t b = 0; rows && b < B; b++)
-        if (rows[b] < 0 || rows[b] >= n_rows) return -1;
+    if (!rows_in_range(rows, B, n_rows)) return -1;
     const int64_t HD = H * D, gate_w = Gb ? R : HD, n_pack = 3 * HD + R + gate_w + H;
     /* scratch rows: h [Dm], the projection [n_pack], g [HD], gate [HD], o [HD], delta [Dm] */
     const int64_t width = Dm + n_pack + 3 * HD + Dm;
@@ -323,7 +328,6 @@ int32_t kda_block_decode_f32(
                        conv_w, win_in, S_in, A_log, dt_bias, norm_w, win_out, S_out, o, has_lower_bound,
                        lower_bound, norm_eps, scale};
     const int64_t G = B >= threads ? 1 : H;     /* work items of the step, as in kda_decode_f32 */
-    (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -348,6 +352,14 @@ int32_t kda_block_decode_f32(
         add_rms_norm_f32(x, delta, post_norm_w, post_eps, B, Dm, out, normed);
     free(scratch);
     return 0;
+}
+
+/* Entry j (E floats) of sequence b in an MLA cache: dense (block_table NULL), row b's entries from
+ * cache + b * row_stride; paged, through the block table (mla_block_decode_f32's layouts). */
+static inline const float *entry_at(const float *cache, int64_t E, int64_t b, int64_t j, int64_t row_stride,
+                                    const int64_t *block_table, int64_t table_stride, int64_t block_size) {
+    return block_table ? cache + (block_table[b * table_stride + j / block_size] * block_size + j % block_size) * E
+                       : cache + b * row_stride + j * E;
 }
 
 /* An MLA decoder layer's attention half for B decode tokens, as one call (layers.mla.NoPEMLA.decode_block): the
@@ -420,9 +432,7 @@ int32_t mla_block_decode_f32(
             memcpy(qa + C, q + nope, (size_t)R * sizeof(float));
             float m = -INFINITY;
             for (int64_t j = 0; j < L; j++) {
-                const float *e = block_table
-                    ? cache + (block_table[b * table_stride + j / block_size] * block_size + j % block_size) * E
-                    : cache + b * row_stride + j * E;
+                const float *e = entry_at(cache, E, b, j, row_stride, block_table, table_stride, block_size);
                 float acc = 0.0f;
                 for (int64_t c = 0; c < E; c++) acc += qa[c] * e[c];
                 s[j] = acc * scale;
@@ -432,9 +442,7 @@ int32_t mla_block_decode_f32(
             for (int64_t j = 0; j < L; j++) { s[j] = expf(s[j] - m); total += s[j]; }
             for (int64_t c = 0; c < C; c++) ctx[c] = 0.0f;
             for (int64_t j = 0; j < L; j++) {
-                const float *e = block_table
-                    ? cache + (block_table[b * table_stride + j / block_size] * block_size + j % block_size) * E
-                    : cache + b * row_stride + j * E;
+                const float *e = entry_at(cache, E, b, j, row_stride, block_table, table_stride, block_size);
                 const float pj = s[j] / total;
                 for (int64_t c = 0; c < C; c++) ctx[c] += pj * e[c];
             }

@@ -270,20 +270,20 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
         b_dkr += b_e * mm(b_dAk, b_kie, PREC)
         b_dkc += b_ie * (mm(tl.trans(b_dAq), b_q * b_e, PREC) + mm(tl.trans(b_dAk), b_k * b_e, PREC))
         b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)
-    elif PREC != "ieee":
-        b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                            # the earlier and later blocks' share
-        b_dq, b_dkr, b_dkc, b_dG = clamped_diagonal_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
-                                                          bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC)
     else:
         b_dG = b_q * b_dq + b_k * (b_dkr - b_dkc)                            # the earlier and later blocks' share
-        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
-                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 16)
-        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
-                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 8)
-        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
-                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 4)
-        b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P, gP,
-                                                        bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 2)
+        if PREC != "ieee":
+            b_dq, b_dkr, b_dkc, b_dG = clamped_diagonal_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
+                                                              gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC)
+        else:
+            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
+                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 16)
+            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
+                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 8)
+            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
+                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 4)
+            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
+                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 2)
     return b_dq, b_dkr, b_dkc, b_dG
 
 
