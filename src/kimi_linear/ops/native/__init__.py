@@ -3,9 +3,11 @@
 Why: on a CPU a decode step of a small model is bound by per-op overhead. Every PyTorch op costs 3-20 us there
 (2-3x more right after a projection streamed a cold weight through the caches), a call through ctypes 1-3 us; the
 KDA layer's step between its input and output projections is ~65 ops, a MoE layer's ~57 (BENCHMARKS.md, "The
-model on a CPU"). The KDA, MLA and output projections stay BLAS products (:func:`kimi_linear.layers.linear.linear`);
-these kernels replace the ops between them, and the MoE layer and dense MLP whole (:mod:`.kda`, :mod:`.moe`,
-:mod:`.norm`).
+model on a CPU"). For up to a few rows a KDA or MLA decoder layer's whole attention half (input norm,
+projections, the step, output projection, residual add and next norm) is one call (:mod:`.kda`, :mod:`.mla`), its
+products plain loops that stream the weights as fast as BLAS; past those rows the projections stay BLAS products
+(:func:`kimi_linear.layers.linear.linear`) and the KDA call replaces the ops between them. The MoE layer and the
+dense MLP are one call each (:mod:`.moe`), the residual stream's norms too (:mod:`.norm`).
 
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``,
 reassociated sums, no ``-ffast-math``; OpenMP when the compiler has it) into ``$KIMI_LINEAR_CACHE`` (default

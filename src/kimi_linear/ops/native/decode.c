@@ -4,7 +4,8 @@
  * A CPU decode step of a small model is bound by per-op overhead, not arithmetic: every PyTorch op costs
  * 3-20 us there (more right after a projection has streamed a cold weight through the caches), and a KDA
  * layer's step between its two projections is ~65 of them, a MoE layer's ~57. Each function here is one call for
- * such a run of ops. Shapes and formulas are those of the PyTorch path, which stays the reference.
+ * such a run of ops, the block calls for a decoder layer's whole attention half with its projections. Shapes and
+ * formulas are those of the PyTorch path, which stays the reference.
  *
  * Compiled on first use by kimi_linear/ops/native/__init__.py (-O3 -march=native; sums may be reassociated and
  * vectorised; IEEE infinities and subnormals as usual: no -ffast-math, which would flush subnormals to zero in
