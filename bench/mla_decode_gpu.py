@@ -22,8 +22,7 @@ Shapes of Kimi-Linear-48B's MLA: H = 32 heads, entries of C = 512 latent + R = 6
     Bandwidth = bytes of the keys read (B * len * 576 * 2) / time, against --peak (4.2 TB/s) and a device copy.
 (c) --sweep: the same op with other (BH, BN, warps, stages) and split counts, at B = 1 x 1M, 1 x 32k and 256 x 4k.
 (d) --parts 1x131072,1x4096: where a call's time goes (the split launch alone, the merge as the difference, both
-    with every row cut to 64 keys: the fixed costs of the same grid; the stream as the difference and its rate),
-    and the whole call with pointer loads where the op takes full key tiles through TMA (block size >= 64).
+    with every row cut to 64 keys: the fixed costs of the same grid; the stream as the difference and its rate).
 
 Markdown tables on stdout; with --out DIR also mla_decode.json there.
 """
@@ -80,8 +79,6 @@ class Setup:
             self.checks = [(b, L, 16, 0) for b in (1, 32, 128) for L in (1, 17, 4096, 262144)]
             # the 1M row's blocks are drawn from a pool of 4M tokens: 2.4e9 elements, past int32 offsets
             self.checks += [(32, 4096, 64, 0), (32, 4096, 256, 0), (1, 1 << 20, 16, 1 << 22)]
-            # 64-token blocks (the engine's and generate's on a GPU): full key tiles through TMA descriptors
-            self.checks += [(b, L, 64, 0) for b in (1, 32) for L in (17, 262144)] + [(1, 1 << 20, 64, 1 << 22)]
             self.graph = [(32, 4096, 0), (1, 1 << 20, 1 << 22)]     # (rows, longest context, pool tokens)
             self.timings = [(1, 4096), (1, 32768), (1, 131072), (1, 1 << 20), (128, 4096), (256, 4096)]
             self.sweep_cases = [(1, 1 << 20), (1, 32768), (256, 4096)]
@@ -414,10 +411,8 @@ def run_parts(cases: list[tuple[int, int]]) -> None:
                 times[cut, "split"] = bench_ms(run(lambda: tri.paged_mla_decode(*args)))
             finally:
                 tri.mla_decode_merge_kernel = merge
-        c.seq_lens.fill_(L)
-        pointers = bench_ms(run(lambda: tri.paged_mla_decode(*args, tma=False)))
         stream = times[False, "whole"] - times[True, "whole"]
-        rows.append(dict(case=f"B={B} ctx={L}", whole_us=1e3 * times[False, "whole"], pointers_us=1e3 * pointers,
+        rows.append(dict(case=f"B={B} ctx={L}", whole_us=1e3 * times[False, "whole"],
                          split_us=1e3 * times[False, "split"],
                          merge_us=1e3 * (times[False, "whole"] - times[False, "split"]),
                          cut_whole_us=1e3 * times[True, "whole"], cut_split_us=1e3 * times[True, "split"],
@@ -462,20 +457,17 @@ def offline_sm90() -> int:
             launches = list(dict.fromkeys([*launches, tri.LAUNCH_LONG, CANDIDATE]))
         for (BH, BN, nw, ns), bs, single in product(launches, (16, 64, 256), (True, False)):
             d = "*" + name[dt]
-            # the pool's key tiles through TMA descriptors where the op makes them (tri.key_descriptors)
-            tma = dt != torch.float32 and bs % BN == 0
-            keys = ((f"tensordesc<{name[dt]}[{BN}, 512]>", f"tensordesc<{name[dt]}[{BN}, 64]>") if tma else (d, d))
             sig = dict(q=d, cache=d, block_table="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32",
-                       o=d, lse="*fp32", d_k=keys[0], d_kr=keys[1], qk_scale="fp32", stride_t="i32", H="i32",
-                       NS="i32", MB="i32")
+                       o=d, lse="*fp32", qk_scale="fp32", stride_t="i32", H="i32", NS="i32", MB="i32")
             const = dict(C=512, R=64, BS=bs, BH=BH, BN=BN, BC=512, BR=64,
-                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, TMA=tma, PDL=False)
+                         PREC="ieee" if dt == torch.float32 else "tf32", SINGLE=single, PDL=False)
             try:
                 res = build(tri.mla_decode_split_kernel, sig, const, nw, ns)
             except Exception as e:  # noqa: BLE001
                 res = f"**{type(e).__name__}**: {str(e)[-300:]}"
             rows.append(dict(kernel="split" + (" (one split)" if single else ""), dtype=name[dt], block=bs,
-                             tiles=f"{BH}x{BN}", warps=nw, stages=ns, tma=tma, build=res))
+                             tiles=f"{BH}x{BN}", warps=nw, stages=ns,
+                             build=res))
         sig = dict(o_part="*fp32", lse_part="*fp32", seq_lens="*i32", o="*" + name[dt], lse="*fp32", H="i32",
                    NS="i32", MB="i32")
         const = dict(C=512, BS=16, BN=BN, BV=tri.MERGE_BV, BSP=tri.MERGE_BS, PDL=False)

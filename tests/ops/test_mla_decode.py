@@ -144,27 +144,6 @@ def test_triton_kimi_width(dtype):
         assert rel_err(ctx, ctx_ref) < 5e-3 and (lse.double() - lse_ref).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("launch", [None, (32, 64, 8, 3)])
-def test_triton_tma_tiles(launch):
-    """16-bit pools of 64-key blocks take full key tiles through TMA descriptors (the interpreter implements them)
-    and a row's partial last tile through masked loads (its block's tail is NaN): rows of whole tiles, of one key,
-    of a partial tile after several whole ones, cut into 1 and 3 splits; pointer loads (``tma=False``) beside it.
-    (The two paths take a split's tiles in different orders, so their roundings differ.)"""
-    pytest.importorskip("triton")
-    from kimi_linear.ops.triton.mla_decode import key_descriptors
-
-    q, cache, table, seq = make_case([300, 64, 1, 129, 0], bs=64, C=64, R=32, H=6, dtype=torch.bfloat16, seed=9)
-    assert key_descriptors(cache, 64, 64, 64, 32)[0] is not None        # the path under test is the TMA one
-    ctx_ref, lse_ref = reference(q, cache, table, seq, 0.25, 64)
-    for splits in (1, 3):
-        kw = dict(num_splits=splits, **dict(zip(LAUNCH_KEYS, launch or ())))
-        ctx, lse = triton_decode(q, cache, table, seq, 0.25, 64, **kw)
-        ctx_p, lse_p = triton_decode(q, cache, table, seq, 0.25, 64, tma=False, **kw)
-        for c, s in ((ctx, lse), (ctx_p, lse_p)):
-            assert torch.isfinite(c).all() and torch.equal(c[4].float(), torch.zeros(6, 64))
-            assert rel_err(c, ctx_ref) < 5e-3 and (s[:4].double() - lse_ref[:4]).abs().max() < 1e-4
-
-
 @pytest.mark.parametrize("merge_bs", [4, 16])
 def test_triton_merge_in_several_steps(monkeypatch, merge_bs):
     """A row's splits merged a few at a time (the default takes up to MERGE_BS = 128 a step, so CASES merge in one):

@@ -32,7 +32,6 @@ from .chunk_common import cast, mm
 from .device import num_sms
 from .ints import cdiv, next_pow2
 from .pdl import pdl_args, pdl_entry
-from .tma import tensor_descriptor_class, tma_supported
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -114,14 +113,6 @@ def tile_keys(cache, i_t, b_blk, hi, BS: tl.constexpr, BN: tl.constexpr, C: tl.c
 
 
 @triton.jit
-def tile_row(p_t, i_t, t_end, BS: tl.constexpr, BN: tl.constexpr):
-    """Pool row (int32) of tile i_t's first key, for tiles that lie inside one block (BS a multiple of BN); 0 at or
-    past tile ``t_end`` (nothing is loaded from the table there)."""
-    b_blk = tl.load(p_t + (i_t * BN) // BS, mask=i_t < t_end, other=0).to(tl.int32)
-    return b_blk * BS + (i_t * BN) % BS
-
-
-@triton.jit
 def attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC: tl.constexpr):
     """One tile of the online softmax (base 2): scores s = scale q K^T [BH, BN] (latent and rope parts as two
     products: 512 + 64 is no power of 2), then the running max m, sum l and output acc rescaled and updated.
@@ -141,11 +132,10 @@ def mla_decode_split_kernel(
     q, cache, block_table, seq_lens,  # [B, H, W], [num_blocks, BS, W], [B, >= MB] (row stride stride_t), [B]
     o_part, lse_part,                 # out: [B, H, NS, C] float32, [B, H, NS] float32 (base 2); unused if SINGLE
     o, lse,                           # out if SINGLE: [B, H, C] in q's dtype, [B, H] float32 (natural log)
-    d_k, d_kr,                        # if TMA: descriptors of the pool's latent and rope columns ([BN, BC], [BN, BR])
     qk_scale, stride_t, H, NS, MB,
     C: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-    PREC: tl.constexpr, SINGLE: tl.constexpr, TMA: tl.constexpr,
+    PREC: tl.constexpr, SINGLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -174,33 +164,12 @@ def mla_decode_split_kernel(
     # load of the same iteration is one Triton's pipeliner leaves single-buffered (it waits for each tile after
     # the two products), while addresses carried in from the previous iteration let it keep num_stages - 1 key
     # tiles in flight (offline sm_90 build: 2 buffers at 3 stages, 1 before whatever the stages).
-    if TMA:
-        # Full tiles (all BN keys below the row's length) as two TMA copies each: the tensor memory accelerator
-        # fills shared memory with no address arithmetic or copy instructions in the warps. The row's partial last
-        # tile, if this split holds it, goes first through masked pointer loads (the slots past the row's length
-        # hold anything, NaN included, and a copied NaN would reach acc through a zero weight); first, because
-        # after the loop its second copy of the products spilled (offline sm_90 build: 1088 B of stack, none so).
-        t_full = tl.minimum(t1, L // BN)
-        t_last = tl.maximum(t0, t_full)      # the partial tile, if in [t0, t1) (an empty split has t0 >= t1)
-        if t_last < t1:
-            b_blk = tile_blocks(p_t, t_last, hi, BS, BN)                                             # [BN]
-            b_k, b_kr = tile_keys(cache, t_last, b_blk, hi, BS, BN, C, R, BC, BR)                    # [BN, BC|BR]
-            m_n = t_last * BN + tl.arange(0, BN) < hi
-            b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
-        b_row = tile_row(p_t, t0, t_full, BS, BN)
-        for i_t in range(t0, t_full):
-            b_k = d_k.load([b_row, 0])                                                               # [BN, BC]
-            b_kr = d_kr.load([b_row, 0])                                                             # [BN, BR]
-            b_row = tile_row(p_t, i_t + 1, t_full, BS, BN)
-            m_n = tl.full([BN], True, tl.int1)
-            b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
-    else:
-        b_blk = tile_blocks(p_t, t0, hi, BS, BN)                                                     # [BN]
-        for i_t in range(t0, t1):
-            b_k, b_kr = tile_keys(cache, i_t, b_blk, hi, BS, BN, C, R, BC, BR)                       # [BN, BC|BR]
-            b_blk = tile_blocks(p_t, i_t + 1, hi, BS, BN)      # past the split's keys: masked, nothing read
-            m_n = i_t * BN + tl.arange(0, BN) < hi
-            b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
+    b_blk = tile_blocks(p_t, t0, hi, BS, BN)                                                         # [BN]
+    for i_t in range(t0, t1):
+        b_k, b_kr = tile_keys(cache, i_t, b_blk, hi, BS, BN, C, R, BC, BR)                           # [BN, BC|BR]
+        b_blk = tile_blocks(p_t, i_t + 1, hi, BS, BN)          # past the split's keys: masked, nothing read
+        m_n = i_t * BN + tl.arange(0, BN) < hi
+        b_m, b_l, b_acc = attend(b_q, b_qr, b_k, b_kr, m_n, qk_scale, b_m, b_l, b_acc, PREC)
 
     # an empty split (past the row's keys) writes nothing; the merge skips it. (tl.where rather than `m_h & (t0 <
     # t1)`: the interpreter turns a vector & scalar of booleans into integers, which it refuses as a mask.)
@@ -294,11 +263,11 @@ def launch_shape(element_size: int, batch: int, heads: int, max_blocks: int, blo
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, kv_lora_rank: int, num_splits: int | None = None, block_h: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kimi_linear.ops.mla_decode.paged_mla_decode` on the GPU (arguments checked there): ``(ctx [B, H, C]
     in q's dtype, lse [B, H] float32)``. q is cast to the pool's dtype for the products (float32 accumulation).
-    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's choice, and
-    ``tma=False`` keeps pointer loads where :func:`key_descriptors` would make descriptors (benchmarks)."""
+    block_h / block_n (powers of two >= 16) / num_warps / num_stages override the launch table's choice
+    (benchmarks)."""
     B, H, W = q.shape
     C, R = kv_lora_rank, W - kv_lora_rank
     BS = cache.shape[1]
@@ -322,12 +291,10 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
     else:
         o_part = torch.empty(B, H, NS, C, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, H, NS, dtype=torch.float32, device=q.device)
-    d_k, d_kr = key_descriptors(cache, C, BN, BC, BR) if tma is not False else (None, None)
     mla_decode_split_kernel[(cdiv(H, BH), NS, B)](
         q, cache, block_table, seq_lens, o_part, lse_part, o, lse,
-        cache if d_k is None else d_k, cache if d_kr is None else d_kr,
         scale * LOG2E, block_table.stride(0), H, NS, MB,
-        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single, TMA=d_k is not None,
+        C=C, R=R, BS=BS, BH=BH, BN=BN, BC=BC, BR=BR, PREC=prec, SINGLE=single,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl_args(q.device),
     )
     if not single:
@@ -338,20 +305,3 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
             **pdl_args(q.device),
         )
     return o, lse
-
-
-def key_descriptors(cache: torch.Tensor, C: int, BN: int, BC: int, BR: int):
-    """TMA descriptors of a 16-bit pool's latent columns ([num_blocks * BS, C] in [BN, BC] tiles) and rope columns
-    ([num_blocks * BS, R] in [BN, BR] tiles; columns past C and R read as zero), or (None, None) where the kernel keeps
-    pointer loads: a float32 pool (checks only), key tiles that would cross blocks (BS not a multiple of BN), a
-    device or Triton without descriptors (ops/triton/tma.py), or rows and column offsets that are not 16-byte
-    multiples."""
-    BS, W = cache.shape[1], cache.shape[2]
-    es = cache.element_size()
-    if (es != 2 or BS % BN or not tma_supported(cache.device) or (W * es) % 16 or (C * es) % 16
-            or cache.data_ptr() % 16):
-        return None, None
-    TensorDescriptor = tensor_descriptor_class()
-    rows = cache.view(-1, W)
-    return (TensorDescriptor(rows, [rows.shape[0], C], [W, 1], [BN, BC]),
-            TensorDescriptor(rows[:, C:], [rows.shape[0], W - C], [W, 1], [BN, BR]))
