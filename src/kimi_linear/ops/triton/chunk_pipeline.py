@@ -309,16 +309,11 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
-    # gP whole for the backward's kernels (a recompute: kept, or no scale). The forward's scores and WY kernels
-    # take the gate sums from the raw gate (chunk_wy.raw_gate_step), and the scores kernel stores gP only for the
-    # chunks its second launch reads it in.
-    whole_gP = kept is not None or scale is None
-    if whole_gP:
-        chunk_kda_prepare_kernel[p.grid(1, HV)](
-            g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-            HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
-            num_warps=4,
-        )
+    chunk_kda_prepare_kernel[p.grid(1, HV)](
+        g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+        HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
+        num_warps=4,
+    )
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
         Akk = p.empty(B, T, HV, BT)
@@ -333,20 +328,18 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
               NEG_EIGVAL=opts.allow_neg_eigval)
-    wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_g=g), wy["BKS"], wy["BV"]))
-    shared = dict(q=q, k=k, g=g, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
-                  BC=BC, **flags, **p.gate())
+    wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
+    shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
+                  BC=BC, **flags)
     if kept is None:
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
         # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
-        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_g=g, d_gP=gP), bks, bks)
-        kinds = p.empty(max(NT, 1), HV, dtype=torch.int8)             # chunk done by the separable launch
+        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                gP=gP, Aqk=Aqk, Akk=Akk, kinds=kinds, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves,
-                WRITE_GP=not whole_gP, **tiles,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )

@@ -32,10 +32,11 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
-    HALF_LIMIT,
     SAFE_EXP,
     block_of,
     chunk_coords,
+    chunk_gate_terms,
+    chunk_separable,
     clamped_diagonal_factors,
     diagonal_block_inverses,
     gate_terms,
@@ -49,6 +50,7 @@ from .chunk_common import (
     mm,
     mm_rounded,
     row_inv_norms,
+    separable_exponent,
     separable_offset,
     store_row_norms,
     store_rows,
@@ -57,7 +59,6 @@ from .chunk_common import (
     tf32_operand,
 )
 from .fastmath import fast_exp
-from .transforms import kda_gate
 
 
 @triton.jit
@@ -330,26 +331,29 @@ def chunk_scores(
 
 @triton.jit
 def separable_scores(
-    q, k, g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_h, i_hv,
+    q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr,
-    d_q, d_k, d_g, TMA: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
     ``D_i = G_i - R`` (chunk_common.separable_exponent), ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel
     step is one product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs
-    (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. The gate sums come
-    from the raw gate (:func:`raw_gate_step`). ``TMA`` (LaunchConfig.scores_tma): the q, k and g tiles through the
-    descriptors ``d_*`` (:func:`chunk_tile`)."""
+    (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. ``TMA``
+    (LaunchConfig.scores_tma): the q, k and gP tiles through the descriptors ``d_*``
+    (:func:`chunk_tile`)."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
-        b_P, b_t0, b_t1, b_t2, _ = raw_gate_step(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K,
-                                                 c0, BKS, BT, BC, TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
-        b_D = separable_offset(b_P, b_t0, b_t1, b_t2, s_r)                 # [BT, BKS]
+        o_k = c0 + tl.arange(0, BKS)
+        if TMA:
+            b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
+            b_D = separable_offset(chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA),
+                                   b_t0, b_t1, b_t2, s_r)                  # [BT, BKS]
+        else:
+            b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC)   # [BT, BKS]
         b_er = fast_exp(b_D)                                               # [BT, BKS]
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
@@ -406,59 +410,32 @@ def halves_scores(
 
 
 @triton.jit
-def raw_chunk_separable(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr,
-                        BKS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr,
-                        USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """chunk_common.chunk_separable's test on gate sums computed from the raw gate (:func:`raw_gate_step`), one
-    channel step at a time."""
-    b_fall = tl.zeros([BKS], dtype=tl.float32)                                                  # [BKS]
-    for c0 in range(0, K, BKS):
-        _, b_t0, b_t1, b_t2, b_t3 = raw_gate_step(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K,
-                                                  c0, BKS, BT, BC, TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
-        b_fall = tl.maximum(b_fall, tl.maximum(-(b_t0 + b_t1), -(b_t2 + b_t3)))
-    return tl.max(b_fall) < HALF_LIMIT
-
-
-@triton.jit
 def chunk_kda_fwd_scores_kernel(
-    q, k, g, gP, rq, rk,              # [B, T, H, K] x2, [B, T, HV, K] raw gate, f32 sums, [B, T, H] f32 x2 (l2norm)
-    A_log, dt_bias, lower_bound,      # the in-kernel gate's parameters (prepare kernel)
-    Aqk, Akk, kinds,                  # out: [B, T, HV, BT] each (Akk float32, without beta); [NT, HV] int8
+    q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
+    Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-    SEPARABLE: tl.constexpr, HALVES: tl.constexpr, WRITE_GP: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    d_q, d_k, d_g, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
+    SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
-    """Two launches, so that each compiles only its own path (the separable one in 168 registers a thread, the
-    other near 255). ``SEPARABLE``: every chunk's gate sums from the raw gate (:func:`raw_chunk_separable`); the
-    chunks chunk_common.chunk_separable accepts get their scores here, and every chunk's verdict goes to ``kinds``
-    (1: done here), so the other launch takes exactly the rest; with ``WRITE_GP`` (no prepare launch wrote gP)
-    this launch stores gP for those. The other launch, over the chunks ``kinds`` leaves: ``HALVES``: those that
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in 168 registers a thread, the other near 255). ``HALVES``: of the others, those that
     chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
     255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
     rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
-    p_kind = kinds + i_c.to(tl.int64) * HV + i_hv
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
     if SEPARABLE:
-        sep = raw_chunk_separable(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K, BKS, BT, BC, TMA,
-                                  USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
-        tl.store(p_kind, sep.to(tl.int8))
         if sep:
-            b_aq, b_ak = separable_scores(q, k, g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_h, i_hv, H, HV, K,
-                                          BT, BC, BKS, PREC, d_q, d_k, d_g, TMA, USE_GATE, USE_LOWER_BOUND,
-                                          HAS_DT_BIAS)
+            b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                                          PREC, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-        elif WRITE_GP:
-            for c0 in range(0, K, BKS):
-                b_P = raw_gate_step(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, BC,
-                                    TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)[0]
-                store_rows(gP, b_P, bos, t0, T_n, i_hv, HV, K, c0 + tl.arange(0, BKS), BT)
-    elif tl.load(p_kind) == 0:
+    elif not sep:
         bounded = False
         if HALVES:
             bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
@@ -584,62 +561,26 @@ def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0,
 
 
 @triton.jit
-def sub_block_sums(b_g, BT: tl.constexpr, BC: tl.constexpr):
-    """A chunk's log-decay tile ([BT, BKS] float32, zero on rows past the sequence) -> ``gP`` (the inclusive sum
-    inside each BC-row sub-block, as the prepare kernel stores it) and the four sub-block totals ([BKS] each: gP's
-    last row of each sub-block, picked out exactly)."""
-    tl.static_assert(BT == 4 * BC)
-    b_P = tl.reshape(tl.cumsum(tl.reshape(b_g, [BT // BC, BC, b_g.shape[1]]), 1), [BT, b_g.shape[1]])
-    o_t = tl.arange(0, BT)[:, None]
-    b_t0 = tl.sum(tl.where(o_t == BC - 1, b_P, 0.0), 0)
-    b_t1 = tl.sum(tl.where(o_t == 2 * BC - 1, b_P, 0.0), 0)
-    b_t2 = tl.sum(tl.where(o_t == 3 * BC - 1, b_P, 0.0), 0)
-    b_t3 = tl.sum(tl.where(o_t == 4 * BC - 1, b_P, 0.0), 0)
-    return b_P, b_t0, b_t1, b_t2, b_t3
-
-
-@triton.jit
-def raw_gate_step(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, c0,
-                  BKS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr, USE_GATE: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """The chunk's ``gP`` tile at channels c0 .. c0 + BKS and its four sub-block totals
-    (:func:`sub_block_sums`), computed from the raw gate ``g`` ([B, T, HV, K]; the gate formula applied here when
-    ``USE_GATE``, as in the prepare kernel) instead of read from gP: the forward's scores and WY kernels read the
-    16-bit gate (2 bytes an element against gP's 4) and no prepare launch writes gP for them."""
-    o_k = c0 + tl.arange(0, BKS)
-    m_k = o_k < K
-    b_g = chunk_tile(g, d_g, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA).to(tl.float32)       # [BT, BKS]
-    if USE_GATE:
-        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_bias = tl.zeros([BKS], dtype=tl.float32)                                              # [BKS]
-        if HAS_DT_BIAS:
-            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_g = kda_gate(b_g, b_bias[None, :], b_a, lower_bound, USE_LOWER_BOUND)
-    # rows past the sequence end add nothing (their gate would otherwise be softplus(dt_bias))
-    b_g = tl.where(((t0 + tl.arange(0, BT)) < T_n)[:, None] & m_k[None, :], b_g, 0.0)
-    return sub_block_sums(b_g, BT, BC)
-
-
-@triton.jit
 def wy_products(
-    q, k, v, beta, g, A_log, dt_bias, lower_bound, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_g, TMA: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, qg, kg, decay) and the value side (u), with the gate sums from the raw gate
-    (:func:`raw_gate_step`). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and g tiles through tensor descriptors
-    ``d_*`` (:func:`chunk_tile`)."""
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
+    through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
     b_Th = wy_inverse_operand(b_T, PREC)                                     # [BT, BT]
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_P, b_t0, b_t1, b_t2, b_t3 = raw_gate_step(g, d_g, A_log, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K,
-                                                    c0, BKS, BT, BC, TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
-        b_G, b_Gs, b_GC = gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT, BC)                    # [BT, BKS] x2, [BKS]
+        if TMA:
+            b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
+            b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
+            b_G, b_Gs, b_GC = gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT, BC)
+        else:
+            b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
@@ -657,8 +598,7 @@ def wy_products(
 
 @triton.jit
 def chunk_kda_fwd_wy_kernel(
-    q, k, v, beta, g, rq, rk, Akk,    # inputs (g: the raw gate; Akk from the scores kernel)
-    A_log, dt_bias, lower_bound,      # the in-kernel gate's parameters (prepare kernel)
+    q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
     Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
     cu_seqlens, chunk_indices,
     T, NT,
@@ -666,8 +606,7 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    d_q, d_k, d_v, d_g, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
+    d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0), or the WY factors alone from an inverse kept from
     the forward (``STAGE`` 2: the backward's recomputation)."""
@@ -679,6 +618,6 @@ def chunk_kda_fwd_wy_kernel(
         # The same program reads the inverse back as one tile: make every thread's stores visible first.
         tl.debug_barrier()
     b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
-    wy_products(q, k, v, beta, g, A_log, dt_bias, lower_bound, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n,
-                i_hv // (HV // H), i_hv, H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL,
-                PREC, d_q, d_k, d_v, d_g, TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+                H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
+                d_q, d_k, d_v, d_gP, TMA)
