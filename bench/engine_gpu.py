@@ -1,6 +1,6 @@
 """The whole model on one GPU: correctness of the fast decode path and its speed beside transformers + fla.
 
-    python bench/engine_gpu.py --out OUT                 # one GPU: (a) + (b), bf16 speed, float32 checks
+    python bench/engine_gpu.py --out OUT                 # one GPU: (k) + (a) + (b): every check, then the speed
     python bench/engine_gpu.py --out OUT --parts b       # speed only
     python bench/engine_gpu.py --out OUT --parts p       # the prefill comparison of (b) only
     python bench/engine_gpu.py --smoke --out /tmp/smoke  # CPU, tiny shapes: the whole script end to end
@@ -8,6 +8,10 @@
 Models are random checkpoints built on the device: the ``small`` preset, and Kimi-Linear-48B's per-layer shape
 cut to 8 layers (layers 1-3 and 5-7 KDA, 4 and 8 MLA; layer 1 dense, 2-8 MoE) with 32 or 256 experts.
 
+(k) The kernels' own GPU checks, each script in a process of its own: the fused MoE against the PyTorch MoE
+    (``bench/moe_gpu.py --no-bench``: random routings, experts that receive no token, every token on the same
+    experts, SiTU, CUDA-graph replays) and the paged MLA decode against dense attention
+    (``bench/mla_decode_gpu.py --no-bench``: contexts 1, 17, 4,096, 262,144 and 1M, CUDA-graph replays).
 (a) Correctness, float32: requests of mixed prompt and output lengths (more than ``max_num_seqs``, so rows join and
     leave) greedy through the engine with CUDA graphs (scratch rows filled with NaN first), the engine without
     (eager forwards), the engine with mixed steps (decode rows and prompt chunks in one forward), ``generate``
@@ -21,7 +25,7 @@ cut to 8 layers (layers 1-3 and 5-7 KDA, 4 and 8 MLA; layer 1 dense, 2-8 MoE) wi
     through the engine against one bare model forward over the same tokens. Floors: weight and cache bytes a step
     reads over the copy bandwidth measured in the same run.
 
-Markdown tables on stdout; JSON in --out. Exit status 1 when a check of (a) fails.
+Markdown tables on stdout; JSON in --out. Exit status 1 when a check of (k) or (a) fails.
 """
 
 from __future__ import annotations
@@ -422,7 +426,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory for the JSON results")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny preset and sizes (checks the script on CPU)")
-    ap.add_argument("--parts", default="ab", help="which parts to run (default ab; p: only the prefill of b; m: "
+    ap.add_argument("--parts", default="kab", help="which parts to run (default kab; p: only the prefill of b; m: "
                     "mixed steps off and on)")
     ap.add_argument("--prefill-budgets", default="", help="part p alone: step token budgets to compare, e.g. "
                     "16384,32768 (default: the engine's)")
@@ -458,8 +462,13 @@ def main() -> int:
     ok = True
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kl-engine-gpu-") as tmp:
+        if "k" in args.parts:
+            k_ok = kernel_checks(args.smoke)
+            print(f"\n(k) done at {time.perf_counter() - t0:.0f} s: {'PASS' if k_ok else 'FAIL'}", flush=True)
+            ok &= k_ok
         if "a" in args.parts:
-            res, ok = part_a(args)
+            res, a_ok = part_a(args)
+            ok &= a_ok
             json.dump(res, open(os.path.join(args.out, "a_correctness.json"), "w"), indent=1)
             print(f"\n(a) done at {time.perf_counter() - t0:.0f} s", flush=True)
         if "b" in args.parts:
@@ -484,9 +493,26 @@ def main() -> int:
                 print(f"\nPrefill of {q['prompts']} x {q['tokens']} tokens, step budget {q['budget']}: engine "
                       f"{q['engine_tok_per_s']:,.0f} tok/s, one bare forward {q['bare_tok_per_s']:,.0f} tok/s: "
                       f"{100 * q['ratio']:.0f}%", flush=True)
-    if "a" in args.parts:                        # no verdict for checks that did not run
-        print(f"\n(a) checks: {'PASS' if ok else 'FAIL'}")
+    if "a" in args.parts or "k" in args.parts:   # no verdict for checks that did not run
+        print(f"\n({'k' * ('k' in args.parts)}{'a' * ('a' in args.parts)}) checks: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
+
+
+def kernel_checks(smoke: bool) -> bool:
+    """Part (k): the fused MoE's and the paged MLA decode's GPU checks (bench/moe_gpu.py, bench/mla_decode_gpu.py
+    without their timings), each in a process of its own so that one's failure or memory does not touch the other;
+    their tables go to stdout as they print. True when both exit 0."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    ok = True
+    for script in ("moe_gpu.py", "mla_decode_gpu.py"):
+        cmd = [sys.executable, os.path.join(here, script), "--no-bench"] + (["--smoke"] if smoke else [])
+        print(f"\n## (k) {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd).returncode
+        print(f"(k) {script}: {'PASS' if rc == 0 else f'FAIL (exit {rc})'}", flush=True)
+        ok &= rc == 0
+    return ok
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
     table (``moe_launch``); prints the best shape found per case, checked against the reference.
 
     PYTHONPATH=src python3 bench/moe_gpu.py [--json FILE]       # (a) + (b); exit 1 if a check fails
+    PYTHONPATH=src python3 bench/moe_gpu.py --no-bench          # (a) only (bench/engine_gpu.py's part k)
     PYTHONPATH=src python3 bench/moe_gpu.py --sweep [--E 256 --N 1,32,256]   # (c), ~30 shapes per (E, N)
     PYTHONPATH=src python3 bench/moe_gpu.py --grid --E 32 --N 1   # (c) with each kernel's fields jointly, 36 shapes
     PYTHONPATH=src python3 bench/moe_gpu.py --no-tma             # (a) + (b) with pointer loads of the weights
@@ -433,6 +434,7 @@ def main() -> int:
     p.add_argument("--grid", action="store_true",
                    help="only a joint grid over each kernel's tile / step / stages (GRID), at --E and --N")
     p.add_argument("--json", default=None, help="also write every row to this file")
+    p.add_argument("--no-bench", action="store_true", help="the checks (a) only, no timings")
     p.add_argument("--no-tma", action="store_true",
                    help="every launch with pointer loads of the weights instead of the TMA descriptors "
                         "(MoELaunch.tma=False), checks included: the A/B of the default")
@@ -485,7 +487,8 @@ def main() -> int:
                 situ = {"activation": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
                 ok &= check_routings(s, sorted({Ns[0], Ns[len(Ns) // 2], Ns[-1]}), ["random"], situ)
             ok &= check_graph(s, graph_Ns)
-            bench(s, Ns, bw, reps, dense_max=256)
+            if not a.no_bench:
+                bench(s, Ns, bw, reps, dense_max=256)
             del s
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script,args", [
-    ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "abm", "--out", "{tmp}"]),
+    ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "kabm", "--out", "{tmp}"]),
     ("engine_gpu.py", ["--smoke", "--no-hf", "--parts", "b", "--block-size", "64", "--out", "{tmp}"]),
     ("fused_small_gpu.py", ["--smoke"]),
     ("kda_kernels.py", ["--smoke", "--regimes", "--no-decode", "--no-fla", "--out", "{tmp}"]),
