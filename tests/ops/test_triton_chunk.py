@@ -286,7 +286,8 @@ def test_strong_decay(case, dtype, monkeypatch):
     and an empty sequence; -1000 on every 7th step and 0 on every 5th. Lengths 130 and 200, initial states."""
     from kimi_linear.ops.triton import chunk_wy
 
-    calls = spy_calls(monkeypatch, chunk_wy, "chunk_scores")      # its diagonal blocks: chunk_diag.py
+    strong_path = "diagonal_levels" if dtype == torch.float32 else "clamped_diagonal_factors"
+    calls = spy_calls(monkeypatch, chunk_wy, strong_path)
     cu, opts, bar = None, NO_OPTIONS, tol(dtype)
     if case.startswith("softplus"):
         x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=16, raw=True, dtype=dtype, seed=60)

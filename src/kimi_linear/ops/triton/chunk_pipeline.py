@@ -36,7 +36,6 @@ from .chunk_bwd import (
     chunk_kda_bwd_wy_kernel,
 )
 from .chunk_common import BC, BT
-from .chunk_diag import DIAG_BH, DIAG_WARPS, chunk_kda_fwd_diag_kernel
 from .chunk_prepare import chunk_kda_prepare_kernel
 from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
 from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
@@ -338,18 +337,12 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
-        kinds = torch.zeros(max(NT, 1), HV, dtype=torch.int8, device=p.device)
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, kinds=kinds, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-        chunk_kda_fwd_diag_kernel[(NT * BT, cdiv(HV, DIAG_BH))](
-            q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), Aqk=Aqk, Akk=Akk, kinds=kinds, **p.varlen(), T=T,
-            NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, BH=DIAG_BH, IS_VARLEN=IS_VARLEN,
-            USE_QK_L2NORM=use_l2, num_warps=DIAG_WARPS,
-        )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
                                            num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
