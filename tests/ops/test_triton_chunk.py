@@ -337,48 +337,6 @@ def test_clamped_diagonal_at_the_clamp():
     assert err < 2e-3 * top, (err, top)
 
 
-@pytest.mark.parametrize("mild", [-0.75, -0.2])
-def test_banded_scores(mild, monkeypatch):
-    """bf16 chunks whose sub-blocks 1 and 2 fall by more than FAR_LIMIT = 10 on every channel are *banded*
-    (chunk_common.far_blocks_negligible): their scores two or more sub-blocks apart are dropped, each pair's factor
-    below exp(-10) on every channel. Half the channels step about -7 (so only the sub-block scheme takes the
-    chunk), the other half ``mild``: -0.75 a step (sub-blocks fall by about 12: banded, the dropped factors below
-    exp(-12.75)) or -0.2 (about 3.2: not banded, where dropping would lose factors up to exp(-3.4) = 0.03). Aqk and
-    Akk themselves (before any inverse) against float64 on every pair of both chunks, within 2e-3 of each matrix's
-    largest entry (Akk, float32) or 4e-3 (Aqk, stored in bf16: half an ulp is 2^-9 of an entry), and the band's
-    chunk taken as banded exactly when it should be (chunk_wy.chunk_banded's answers). A FAR_LIMIT of 3 fails it."""
-    from kimi_linear.ops.triton import chunk_wy
-    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
-
-    answers = []
-    real = chunk_wy.chunk_banded
-
-    def chunk_banded(*args, **kwargs):
-        answers.append(bool(real(*args, **kwargs)))
-        return answers[-1]
-
-    monkeypatch.setattr(chunk_wy, "chunk_banded", chunk_banded)
-    T, K = 128, 32
-    x = make_inputs(B=1, T=T, H=1, K=K, V=16, dtype=torch.bfloat16, seed=73)
-    noise = torch.randn(T, K, generator=torch.Generator().manual_seed(74))
-    steps = torch.where(torch.arange(K) < K // 2, (-7.0 + 0.3 * noise).clamp_max(0.0), mild + 0.02 * noise)
-    x["g"] = steps[None, :, None, :].to(torch.bfloat16)
-    p = Problem(x["q"], x["v"], None, NO_OPTIONS, LaunchConfig())
-    pc = forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], None, False)
-    q, k, g = (x[n][0, :, 0].double() for n in ("q", "k", "g"))
-    for A, rows, low, bar in ((pc.Aqk, q, 0, 4e-3), (pc.Akk, k, -1, 2e-3)):
-        m = torch.ones(64, 64, dtype=torch.bool).tril(low)[:, :, None]
-        err, top = 0.0, 0.0
-        for t0 in range(0, T, 64):
-            r = slice(t0, t0 + 64)
-            G = g[r].cumsum(0)                                                               # [64, K]
-            ref = torch.einsum("ic,jc,ijc->ij", rows[r], k[r], torch.exp(torch.where(m, G[:, None] - G[None, :], -1e9)))
-            err = max(err, (A[0, r, 0].double().tril(low) - ref).abs().max().item())
-            top = max(top, ref.abs().max().item())
-        assert err < bar * top, (low, err, top)
-    assert answers == [mild == -0.75] * 2, answers                  # both chunks, each value head
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
     """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the sub-block

@@ -319,21 +319,17 @@ def chunk_kda_bwd_list_kernel(
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     IS_VARLEN: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """Lists every chunk and value head that is not separable (chunk_common.chunk_kind): with ``HALVES`` (16-bit
-    inputs), those bounded per sub-block from the front of ``chunks`` (count[0]) as ``i_c * HV + i_hv``; the others
-    from its back (count[1]) as ``2 (i_c * HV + i_hv) + banded`` (banded: chunk_common.far_blocks_negligible, 16-bit
-    inputs only); in any order (each entry's work writes its own rows)."""
+    """Lists ``i_c * HV + i_hv`` for every chunk and value head that is not separable (chunk_common.chunk_kind):
+    with ``HALVES``, those bounded per sub-block from the front of ``chunks`` (count[0]); the others from its back
+    (count[1]); in any order (each entry's work writes its own rows)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    sep, bounded, banded = chunk_kind(gP, bos, i_t * BT, T_n, i_hv, HV, K, BKA, BC)
+    sep, bounded = chunk_kind(gP, bos, i_t * BT, T_n, i_hv, HV, K, BKA, BC)
     if not sep:
         if bounded and HALVES:
             tl.store(chunks + tl.atomic_add(count, 1), i_c * HV + i_hv)
         else:
-            e = 2 * (i_c * HV + i_hv)
-            if HALVES:
-                e += banded.to(tl.int32)
-            tl.store(chunks + (L - 1 - tl.atomic_add(count + 1, 1)), e)
+            tl.store(chunks + (L - 1 - tl.atomic_add(count + 1, 1)), i_c * HV + i_hv)
 
 
 @triton.jit
@@ -347,9 +343,8 @@ def chunk_kda_bwd_listed_kernel(
 ):
     """The score gradients of the listed chunks by a fixed number of programs looping over a list, so that where
     no chunk needs a scheme its launch costs its few programs: by halves (:func:`halves_grads`, key block by key
-    block) the chunks at the list's front, or (``SUB``) by sub-blocks (:func:`sub_block_grads`, or
-    :func:`banded_sub_block_grads` for the banded ones; sub-block by sub-block and key block by key block) those
-    at its back. (H200, 16 x 2048: launches over every chunk whose
+    block) the chunks at the list's front, or (``SUB``) by sub-blocks (:func:`sub_block_grads`, sub-block by
+    sub-block and key block by key block) those at its back. (H200, 16 x 2048: launches over every chunk whose
     programs mostly returned at once cost 0.3-0.4 ms where no chunk needed them, since 255 registers let few
     programs share an SM.) The work is a call of its own (``noinline``): :func:`halves_grads` inlined into this
     loop spilled 608 B a thread and took 5.7 ms for K3's saturated gates, against 3.9 as a call (112 B)."""
@@ -357,23 +352,15 @@ def chunk_kda_bwd_listed_kernel(
     NW: tl.constexpr = NK * (BT // BC) if SUB else NK       # work items per listed chunk
     n = tl.load(count + SUB) * NW
     for it in range(tl.program_id(0), n, tl.num_programs(0)):
-        banded = False
         if SUB:
             e = tl.load(chunks + (L - 1 - it // NW))
-            banded = (e % 2) == 1
-            e = e // 2
         else:
             e = tl.load(chunks + it // NW)
         i_c, i_hv = e // HV, e % HV
         _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
         if SUB:
-            if banded:
-                banded_sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT,
-                                       (it % NW) // NK, T_n, it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK,
-                                       USE_QK_L2NORM, PREC)
-            else:
-                sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, (it % NW) // NK,
-                                T_n, it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+            sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, (it % NW) // NK, T_n,
+                            it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
         else:
             halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
                          i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
@@ -390,6 +377,7 @@ def sub_block_grads(
     o_k = i_k * BK + tl.arange(0, BK)
     o_j = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
+    m_r = (rS + o_j) < T_n
     b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                          # [BT, BK]
     b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x3
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)          # [BT] x2
@@ -409,62 +397,8 @@ def sub_block_grads(
     b_dAkc = load_rows(dAkk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
     b_dkc = mm(tl.trans(b_dAqc), b_q * b_f, PREC) + mm(tl.trans(b_dAkc), b_k * b_f, PREC)     # [BC, BK]
     b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
-    diagonal_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, b_dq, b_dkr, b_dkc, b_PS, bos, rS, S, T_n,
-                         o_k, i_h, i_hv, H, HV, K, BT, BC, USE_QK_L2NORM, PREC)
 
-
-@triton.jit(noinline=True)
-def banded_sub_block_grads(
-    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-):
-    """:func:`sub_block_grads` for a banded chunk (chunk_common.far_blocks_negligible, 16-bit inputs), whose
-    scores are zero two or more sub-blocks apart: the rows of sub-block S meet only the columns of S - 1, and its
-    columns only the rows of S + 1, both through the row between the two sub-blocks, so each side is two
-    [BC, BC] x [BC, BK] products on the sub-blocks' own rows where :func:`sub_block_grads` takes the chunk's."""
-    rS = t0 + S * BC
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_j = tl.arange(0, BC)
-    b_PS = load_rows(gP, bos, rS, T_n, i_hv, HV, K, o_k, BC)                         # [BC, BK]
-    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    b_dkr = tl.zeros([BC, BK], dtype=tl.float32)
-    b_dkc = tl.zeros([BC, BK], dtype=tl.float32)
-    if S > 0:
-        # rows of S against the columns of S - 1: exp(G_i - G_r) exp(G_r - G_j), r = rS - 1
-        rE = rS - BC
-        _, b_rkE = load_norms(rq, rk, bos, rE, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC]
-        b_tE = sub_block_total(gP, bos, t0, S - 1, T_n, i_hv, HV, K, o_k, BC)         # [BK]
-        b_c = (load_rows(k, bos, rE, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkE[:, None]
-               * tl.exp(b_tE[None, :] - load_rows(gP, bos, rE, T_n, i_hv, HV, K, o_k, BC)))   # [BC, BK]
-        b_eS = tl.exp(b_PS)
-        b_dq = mm(load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, (S - 1) * BC + o_j, BC), b_c, PREC) * b_eS
-        b_dkr = mm(load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, (S - 1) * BC + o_j, BC), b_c, PREC) * b_eS
-    if S < BT // BC - 1:
-        # columns of S against the rows of S + 1 (zero past T_n): exp(G_i - G_r) exp(G_r - G_j), r = S's last row
-        rL = rS + BC
-        b_rqL, b_rkL = load_norms(rq, rk, bos, rL, T_n, i_h, H, BC, USE_QK_L2NORM)   # [BC] x2
-        b_f = tl.exp(load_rows(gP, bos, rL, T_n, i_hv, HV, K, o_k, BC))               # [BC, BK]
-        b_qL = load_rows(q, bos, rL, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rqL[:, None] * b_f)
-        b_kL = load_rows(k, bos, rL, T_n, i_h, H, K, o_k, BC).to(tl.float32) * (b_rkL[:, None] * b_f)
-        b_dAqc = load_rows(dAqk, bos, rL, T_n, i_hv, HV, BT, S * BC + o_j, BC)        # [BC, BC]
-        b_dAkc = load_rows(dAkk, bos, rL, T_n, i_hv, HV, BT, S * BC + o_j, BC)
-        b_dkc = (mm(tl.trans(b_dAqc), b_qL, PREC) + mm(tl.trans(b_dAkc), b_kL, PREC)) * tl.exp(
-            sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)
-    diagonal_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, b_dq, b_dkr, b_dkc, b_PS, bos, rS, S, T_n,
-                         o_k, i_h, i_hv, H, HV, K, BT, BC, USE_QK_L2NORM, PREC)
-
-
-@triton.jit
-def diagonal_block_grads(
-    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, b_dq, b_dkr, b_dkc, b_PS, bos, rS, S, T_n, o_k, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-):
-    """The diagonal block of sub-block S (rows rS ..) added to the other blocks' (dq, dk from rows, dk from columns)
-    ([BC, BK] each; b_PS: the sub-block's gP), with the inter kernel's parts, stored as dq, dk and dG."""
-    o_j = tl.arange(0, BC)
-    m_r = (rS + o_j) < T_n
+    # The diagonal block.
     b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2
     b_qS = load_rows(q, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rqS[:, None]   # [BC, BK]
     b_kS = load_rows(k, bos, rS, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkS[:, None]   # [BC, BK]

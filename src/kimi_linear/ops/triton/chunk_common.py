@@ -332,23 +332,11 @@ def sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3):
 
 
 @triton.jit
-def far_blocks_negligible(b_t1, b_t2):
-    """Whether the gate of every channel falls by more than FAR_LIMIT over each of sub-blocks 1 and 2 of a chunk
-    (their totals, [BK] each): then every pair two or more sub-blocks apart (blocks (2, 0), (3, 1), (3, 0)) spans a
-    whole sub-block, so its factor ``exp(G_i - G_j)`` is below ``exp(-FAR_LIMIT)`` on every channel, and 16-bit
-    inputs take the chunk's scores as *banded*: those blocks zero. (A sub-block at or past the sequence's end has a
-    total of 0: such a chunk is never banded.)"""
-    return tl.max(tl.maximum(b_t1, b_t2)) < -FAR_LIMIT
-
-
-@triton.jit
 def chunk_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
-    """(:func:`chunk_separable`, :func:`sub_blocks_bounded`, :func:`far_blocks_negligible`) of the chunk at t0 from
-    one load of its sub-block totals, for the score gradients' list kernel (chunk_bwd.chunk_kda_bwd_list_kernel),
-    which asks all three."""
+    """(:func:`chunk_separable`, :func:`sub_blocks_bounded`) of the chunk at t0 from one load of its sub-block
+    totals, for the score gradients' list kernel (chunk_bwd.chunk_kda_bwd_list_kernel), which asks both."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
-    return (halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3),
-            far_blocks_negligible(b_t1, b_t2))
+    return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
 
 
 @triton.jit
@@ -439,10 +427,6 @@ def level_factor(gP, b_P, bos, r0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr,
 # below exp(-DIAG_CLAMP) = 4.5e-5 both before and after the clamp, and that difference is under a tenth of the
 # tf32 rounding (2^-11 of each operand) that every 16-bit score product already carries.
 DIAG_CLAMP: tl.constexpr = tl.constexpr(10.0)
-# Banded chunks (far_blocks_negligible; 16-bit inputs): the pairs two or more sub-blocks apart are dropped where every
-# channel's factor is below exp(-FAR_LIMIT) = 4.5e-5, the same bound and argument as DIAG_CLAMP's: each dropped
-# entry is under 4.5e-5 sum_c |q_c k_c|, a tenth of the tf32 rounding the kept entries carry.
-FAR_LIMIT: tl.constexpr = tl.constexpr(10.0)
 
 
 @triton.jit

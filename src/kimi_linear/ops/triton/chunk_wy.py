@@ -39,7 +39,6 @@ from .chunk_common import (
     chunk_separable,
     clamped_diagonal_factors,
     diagonal_block_inverses,
-    far_blocks_negligible,
     gate_terms,
     grid_coords,
     halves_exponents,
@@ -260,7 +259,7 @@ def chunk_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr, banded,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
 
@@ -278,12 +277,7 @@ def chunk_scores(
     ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between sub-blocks are
     per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows, the diagonal
     product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles
-    (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks the rest), as the other two paths do.
-
-    ``banded`` (:func:`chunk_banded`: 16-bit inputs, every channel falling by more than FAR_LIMIT over sub-blocks
-    1 and 2, as under strong decay): the blocks two or more sub-blocks apart are zero, so the half product keeps
-    only block (2, 1) (its operands zeroed elsewhere), the third product is skipped, and the far blocks are zeroed
-    at the end: two products per step instead of three."""
+    (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
     tl.static_assert(BT == 4 * BC)
     o_t = tl.arange(0, BT)
     s = o_t // BC                                                          # [BT] sub-block of each row
@@ -309,49 +303,30 @@ def chunk_scores(
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_rho = fast_exp(b_P)                      # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
         b_kap = tf32_operand(b_k * fast_exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
-        b_qr = tf32_operand(b_q * b_rho, PREC)
-        b_kr = tf32_operand(b_k * b_rho, PREC)
-        # half: rows of 2-3 against columns of 0-1 through row 31, the other rows and columns zero so that the
-        # product needs no mask; a banded chunk keeps only block (2, 1) (rows of 2 against columns of 1)
-        b_x3 = tl.where(banded, 0.0, fast_exp(b_t2))                      # [BKS] row factors of sub-block 3
-        b_x0 = tl.where(banded, 0.0, fast_exp(b_t1))                      # [BKS] column factors of sub-block 0
-        b_hr = tl.where(s_r == 3, b_x3[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
-        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, b_x0[None, :], tl.where(s_r == 1, 1.0, 0.0)),
-                                     PREC))                               # [BKS, BT]
+        # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
+        b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
+        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, fast_exp(b_t1)[None, :],
+                                                      tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
         b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
         b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
         # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
         # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
-        # columns negated takes it out again, so nothing here is masked (a banded chunk zeroes (3, 0) at the end).
+        # columns negated takes it out again, so nothing here is masked.
+        b_qr = tf32_operand(b_q * b_rho, PREC)
+        b_kr = tf32_operand(b_k * b_rho, PREC)
         b_ct = tl.trans(tl.where((s_r % 2) == 0, b_kap, 0.0))                  # [BKS, BT]
+        b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                      # [BKS, BT]
         b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
         b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
-        if not banded:
-            b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                  # [BKS, BT]
-            b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
-            b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
         if totals_safe(b_t0, b_t1, b_t2, b_t3):
             # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
             b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
             b_zero = tl.zeros([BT, BT], dtype=tl.float32)
             b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
             b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
-    if banded:
-        m_far = (s_r - s[None, :]) >= 2                                    # [BT, BT] blocks (2, 0), (3, 0), (3, 1)
-        b_aq = tl.where(m_far, 0.0, b_aq)
-        b_ak = tl.where(m_far, 0.0, b_ak)
     return b_aq, b_ak
-
-
-@triton.jit
-def chunk_banded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-                 PREC: tl.constexpr):
-    """Whether :func:`chunk_scores` takes the chunk at t0 as banded: 16-bit inputs (``PREC`` "tf32") and
-    chunk_common.far_blocks_negligible on all channels."""
-    if PREC == "tf32":
-        _, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x2
-        return far_blocks_negligible(b_t1, b_t2)
-    return False
 
 
 @triton.jit
@@ -469,9 +444,8 @@ def chunk_kda_fwd_scores_kernel(
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
-            banded = chunk_banded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, PREC)
             b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                      BK, d_q, d_k, d_gP, TMA, banded)
+                                      BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
