@@ -431,7 +431,7 @@ DIAG_CLAMP: tl.constexpr = tl.constexpr(10.0)
 
 @triton.jit
 def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k,
-                             BT: tl.constexpr, BC: tl.constexpr):
+                             BT: tl.constexpr, BC: tl.constexpr, STEPS_PREC: tl.constexpr):
     """Row and column factors ``exp(c_i - m)``, ``exp(m - c_j)`` ([BT, BKS] float32 each, zero on rows past T_n)
     whose product is the diagonal blocks' ``exp(gP_i - gP_j)`` at any gate, to 16-bit precision: ``c`` sums the
     gate's steps clamped at -DIAG_CLAMP, ``m`` is the midpoint of ``c`` over each 16-row sub-block.
@@ -451,13 +451,16 @@ def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: t
     b_s = tl.where(m_s[:, None], tl.maximum(b_P - b_Pp, -DIAG_CLAMP), 0.0)  # [BT, BKS] clamped steps
     # c - m = M s with M[i, t] = [t <= i] - 1/2 inside each sub-block: the running sum of the clamped steps minus
     # half its total (c is 0 at a block's first row, its total at the last). A tensor-core product instead of a
-    # scan and eight row reductions, one tf32 product: M's entries are exact in tf32, and every row sums the same
-    # rounded steps, so a pair's exponent x_i - x_j is the sum of its own steps rounded to tf32, off by at most
-    # 2^-11 |x_i - x_j| (the steps are <= 0), and its factor by at most 2^-11 |d| exp(-|d|) <= 1.8e-4 (d its
-    # exponent): below the tf32 rounding of the products' own operands.
+    # scan and eight row reductions; M's entries are exact in tf32. ``STEPS_PREC`` "tf32x3" keeps the steps'
+    # float32 bits; "tf32" (one product) is as good here: every row sums the same rounded steps, so a pair's
+    # exponent x_i - x_j is the sum of its own steps rounded to tf32, off by at most 2^-11 |x_i - x_j| (the steps
+    # are <= 0), and its factor by at most 2^-11 |d| exp(-|d|) <= 1.8e-4 (d its exponent), below the tf32 rounding
+    # of the products' own operands. The forward takes "tf32" (H100, 16 x 2048: strong decay's scores 2.178 ->
+    # 2.112 ms, K3's saturated gates 0.893 -> 0.868), the score gradients "tf32x3" (their sub-block launch under
+    # strong decay 5.153 -> 5.242 ms with "tf32").
     o_s = o_t // BC
     b_M = tl.where(o_s[:, None] == o_s[None, :], tl.where(o_t[None, :] <= o_t[:, None], 0.5, -0.5), 0.0)
-    b_x = mm(b_M, b_s, "tf32")                                              # [BT, BKS], |b_x| <= 75
+    b_x = mm(b_M, b_s, STEPS_PREC)                                          # [BT, BKS], |b_x| <= 75
     return tl.where(m_t[:, None], fast_exp(b_x), 0.0), tl.where(m_t[:, None], fast_exp(-b_x), 0.0)
 
 

@@ -244,7 +244,7 @@ def clamped_diagonal(
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P, b_k, b_q = strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, o_k, c0, STEP)
-        b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)    # [BT, BKS] x2
+        b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
         b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
         b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
         b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
