@@ -284,7 +284,7 @@ def chunk_scores(
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
         if PREC == "tf32":
-            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
+            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC, BKS)
         else:
             # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
             # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged).
