@@ -276,14 +276,10 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
             b_dq, b_dkr, b_dkc, b_dG = clamped_diagonal_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
                                                               gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC)
         else:
-            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
-                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 16)
-            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
-                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 8)
-            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
-                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 4)
-            b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P,
-                                                            gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC, 2)
+            for L in tl.static_range(4):                                    # levels S = 16, 8, 4, 2
+                b_dq, b_dkr, b_dkc, b_dG = diagonal_level_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k,
+                                                                b_P, gP, bos, r0, T_n, i_hv, o_k, HV, K, BC, PREC,
+                                                                16 >> L)
     return b_dq, b_dkr, b_dkc, b_dG
 
 
