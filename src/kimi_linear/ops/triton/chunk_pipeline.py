@@ -118,6 +118,9 @@ class LaunchConfig:
     # chunk: strong decay 19.56 -> 19.22 ms, the other regimes 0.39-0.44 ms faster (their idle programs); 2 an SM:
     # strong decay 22.82
     bwd_sub_per_sm: int = 4
+    # Register cap of that sub-block launch alone (0: bwd_regs), so that more of its latency-bound programs share
+    # an SM (2 warps: 128 registers fit 8 an SM, 168 fit 6)
+    bwd_sub_regs: int = 0
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
@@ -480,7 +483,7 @@ def chunk_kda_bwd_pipeline(
         chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
             **listed, SUB=False, BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
     chunk_kda_bwd_listed_kernel[(cfg.bwd_sub_per_sm * num_sms(q.device),)](
-        **listed, SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
+        **dict(listed, **reg_cap(cfg.bwd_sub_regs)), SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
     dg = torch.empty_like(g)
     dA_p = p.empty(NT, NK, HV) if use_gate else None
     ddt_p = p.empty(NT, HV, K) if use_gate else None
