@@ -116,11 +116,11 @@ class LaunchConfig:
     # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
     # fit four an SM). H200, 16 x 2048 fwd+bwd, against a launch of one program per chunk and sub-block over every
     # chunk: strong decay 19.56 -> 19.22 ms, the other regimes 0.39-0.44 ms faster (their idle programs); 2 an SM:
-    # strong decay 22.82
-    bwd_sub_per_sm: int = 4
-    # Register cap of that sub-block launch alone (0: bwd_regs), so that more of its latency-bound programs share
-    # an SM (2 warps: 128 registers fit 8 an SM, 168 fit 6)
-    bwd_sub_regs: int = 0
+    # strong decay 22.82. Uncapped it takes 255 registers and fits four an SM; capped at 168 (672 B of stack on
+    # sm_90) six: H100, 16 x 2048 fwd+bwd, strong decay 18.21 -> 17.66 ms (the launch 5.15 -> 4.61), K3's
+    # saturated gates 15.57 -> 15.68, the rest within 0.04 ms; 200 registers and five an SM: strong decay 21.19
+    bwd_sub_per_sm: int = 6
+    bwd_sub_regs: int = 168           # that launch's register cap (0: bwd_regs)
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
