@@ -432,3 +432,26 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     assert tiles and all(tiles)                                  # every path's tiles came by descriptor
     assert torch.equal(o, o_ptr) and torch.equal(S, S_ptr)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
+
+
+def test_inverse_kept_only_for_a_backward():
+    """The WY kernel assembles the inverse's 16x16 blocks into one [64, 64] tile in registers and stores it as Tm
+    only when a backward will read it: the stored Tm is (I + diag(beta) Akk)^-1 of every chunk (float64 inverse of
+    the stored Akk; a block put in the wrong place fails it), and the forward without it (no Tm buffer at all)
+    gives the same bits."""
+    from kimi_linear.ops.triton.chunk_pipeline import chunk_kda_fwd_keeping
+
+    T = 150                                                          # 3 chunks, the last one partial
+    x = make_inputs(B=1, T=T, H=1, HV=2, K=32, V=16, dtype=torch.float32, seed=91)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], True, NO_OPTIONS, None)
+    o, ht, kept = chunk_kda_fwd_keeping(*args)
+    o2, ht2, none = chunk_kda_fwd_keeping(*args, keep=False)
+    assert none is None
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    for h in range(2):
+        for t0 in range(0, T, 64):
+            n = min(64, T - t0)
+            A = kept.Akk[0, t0:t0 + n, h, :n].double().tril(-1) * x["beta"][0, t0:t0 + n, h].double()[:, None]
+            ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
+            got = kept.Tm[0, t0:t0 + n, h, :n].double()
+            assert (got - ref).abs().max() < 1e-5 * ref.abs().max(), (h, t0)

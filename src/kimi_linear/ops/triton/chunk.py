@@ -37,10 +37,9 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, scale, output_final_state, opts, cu_seqlens,
                 cfg):
+        keep = cfg.keep_scores and default_backward() == "triton"
         o, ht, kept = chunk_kda_fwd_keeping(q, k, v, g, beta, scale, initial_state, output_final_state, opts,
-                                            cu_seqlens, cfg)
-        if not cfg.keep_scores or default_backward() != "triton":
-            kept = None
+                                            cu_seqlens, cfg, keep)
         ctx.has_kept = kept is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                               *((kept.Aqk, kept.Akk, kept.Tm, kept.rq, kept.rk) if kept is not None else ()))

@@ -300,11 +300,12 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
-                   kept: Kept | None = None, scale: float | None = None) -> Pieces:
+                   kept: Kept | None = None, scale: float | None = None, keep: bool = True) -> Pieces:
     """Kernels (a)-(e) on contiguous inputs; with ``kept`` (the backward, LaunchConfig.keep_scores) the score
     matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest. With
     ``scale`` (the forward) the scan forms the output ``Pieces.o`` and stores neither the per-chunk states nor vn;
-    without it (the backward's recompute) it stores both for the gradient kernels."""
+    without it (the backward's recompute) it stores both for the gradient kernels. ``keep=False`` (a forward no
+    backward follows) leaves the inverse in registers: ``Pieces.Tm`` is then None."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
     norms = use_l2 and kept is None                                    # rq, rk written by the scores kernel
@@ -320,7 +321,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
         Akk = p.empty(B, T, HV, BT)
-        Tm = p.empty(B, T, HV, BT)
+        Tm = p.empty(B, T, HV, BT) if keep or scale is None else None
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
     w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
@@ -328,7 +329,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     decay = p.empty(max(NT, 1), HV, K)
     bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
-    wy = dict(v=v, beta=beta, Akk=Akk, Tm=Tm, w=w, u=u, qg=qg, kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
+    wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
+              kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
               BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
               NEG_EIGVAL=opts.allow_neg_eigval)
     wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
@@ -374,15 +376,17 @@ def chunk_kda_fwd_pipeline(
     cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pipeline forward on contiguous inputs: (o [B, T, HV, V] in q's dtype, final state float32 or None)."""
-    return chunk_kda_fwd_keeping(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg)[:2]
+    return chunk_kda_fwd_keeping(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, cfg,
+                                 keep=False)[:2]
 
 
 def chunk_kda_fwd_keeping(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, opts: KernelOptions,
-    cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG,
+    cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG, keep: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Kept | None]:
-    """:func:`chunk_kda_fwd_pipeline` and what the backward may keep of it (:class:`Kept`; None when empty)."""
+    """:func:`chunk_kda_fwd_pipeline` and what the backward may keep of it (:class:`Kept`; None when empty or
+    without ``keep``)."""
     p = Problem(q, v, cu_seqlens, opts, cfg)
     if p.T == 0 or p.NT == 0:
         o = torch.zeros(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
@@ -391,8 +395,8 @@ def chunk_kda_fwd_keeping(
             ht = initial_state.clone() if initial_state is not None else q.new_zeros(p.N, p.HV, p.K, p.V,
                                                                                      dtype=torch.float32)
         return o, ht, None
-    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state, scale=scale)
-    return x.o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk)
+    x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state, scale=scale, keep=keep)
+    return x.o, x.ht, (Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk) if keep else None)
 
 
 @dataclass

@@ -18,8 +18,8 @@ of 16 and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row 
 the row factors.
 
 :func:`chunk_kda_fwd_wy_kernel`, one program per (chunk, value head), inverts ``I + diag(beta) Akk`` by 16x16
-blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), stores the inverse
-``Tm`` (read again at once as one [64, 64] tile, and by the backward), and writes
+blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), assembles the blocks
+into one [64, 64] tile in registers (stored as ``Tm`` only when a backward will read it), and writes
 
     w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
 
@@ -475,14 +475,27 @@ def load_A_block(Akk, b_beta, bos, t0, I: tl.constexpr, J: tl.constexpr, T_n, i_
 
 
 @triton.jit
+def side_by_side(b_0, b_1, b_2, b_3):
+    """Four [R, C] blocks side by side: [R, 4 C]."""
+    b_x = tl.join(tl.join(b_0, b_1), tl.join(b_2, b_3))                  # [R, C, 2, 2]: block 2 o + i at [:, :, i, o]
+    return tl.reshape(tl.permute(b_x, (0, 3, 2, 1)), (b_0.shape[0], 4 * b_0.shape[1]))
+
+
+@triton.jit
+def stacked(b_0, b_1, b_2, b_3):
+    """Four [R, C] blocks one above the other: [4 R, C]."""
+    b_x = tl.join(tl.join(b_0, b_1), tl.join(b_2, b_3))                  # [R, C, 2, 2]
+    return tl.reshape(tl.permute(b_x, (3, 2, 0, 1)), (4 * b_0.shape[0], b_0.shape[1]))
+
+
+@triton.jit
 def inverse_blocks(
     beta, Akk, Tm, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, STORE_T: tl.constexpr,
 ):
-    """``Tm = (I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, by 16x16 blocks, stored
-    (all [BT, BT])."""
+    """``(I + diag(beta) Akk)^-1`` of the chunk at t0 from its Akk rows in memory, by 16x16 blocks: [BT, BT]
+    float32, also stored in ``Tm`` with ``STORE_T`` (the backward reads it)."""
     tl.static_assert(BT == 4 * BC)
-    o_j = tl.arange(0, BC)
 
     # (I + diag(beta) Akk)^-1 by 16x16 blocks: Tm_II by substitution, Tm_IJ = -Tm_II sum_{J<=M<I} A_IM Tm_MJ.
     b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
@@ -509,23 +522,14 @@ def inverse_blocks(
     b_T31 = -mm(b_T33, mm(b_A31, b_T11, "ieee") + mm(b_A32, b_T21, "ieee"), "ieee")
     b_T30 = -mm(b_T33, mm(b_A30, b_T00, "ieee") + mm(b_A31, b_T10, "ieee") + mm(b_A32, b_T20, "ieee"), "ieee")
 
+    # One [BT, BT] tile assembled in registers: the WY products need no round trip through Tm, which only the
+    # backward reads
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
-    store_rows(Tm, b_T00, bos, t0, T_n, i_hv, HV, BT, o_j, BC)
-    store_rows(Tm, b_z, bos, t0, T_n, i_hv, HV, BT, BC + o_j, BC)
-    store_rows(Tm, b_z, bos, t0, T_n, i_hv, HV, BT, 2 * BC + o_j, BC)
-    store_rows(Tm, b_z, bos, t0, T_n, i_hv, HV, BT, 3 * BC + o_j, BC)
-    store_rows(Tm, b_T10, bos, t0 + BC, T_n, i_hv, HV, BT, o_j, BC)
-    store_rows(Tm, b_T11, bos, t0 + BC, T_n, i_hv, HV, BT, BC + o_j, BC)
-    store_rows(Tm, b_z, bos, t0 + BC, T_n, i_hv, HV, BT, 2 * BC + o_j, BC)
-    store_rows(Tm, b_z, bos, t0 + BC, T_n, i_hv, HV, BT, 3 * BC + o_j, BC)
-    store_rows(Tm, b_T20, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, o_j, BC)
-    store_rows(Tm, b_T21, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, BC + o_j, BC)
-    store_rows(Tm, b_T22, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, 2 * BC + o_j, BC)
-    store_rows(Tm, b_z, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, 3 * BC + o_j, BC)
-    store_rows(Tm, b_T30, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, o_j, BC)
-    store_rows(Tm, b_T31, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, BC + o_j, BC)
-    store_rows(Tm, b_T32, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, 2 * BC + o_j, BC)
-    store_rows(Tm, b_T33, bos, t0 + 3 * BC, T_n, i_hv, HV, BT, 3 * BC + o_j, BC)
+    b_T = stacked(side_by_side(b_T00, b_z, b_z, b_z), side_by_side(b_T10, b_T11, b_z, b_z),
+                  side_by_side(b_T20, b_T21, b_T22, b_z), side_by_side(b_T30, b_T31, b_T32, b_T33))   # [BT, BT]
+    if STORE_T:
+        store_rows(Tm, b_T, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)
+    return b_T
 
 
 @triton.jit
@@ -605,19 +609,18 @@ def chunk_kda_fwd_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr, STORE_T: tl.constexpr,
     d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
-    """The inverse and the WY factors of a chunk (``STAGE`` 0), or the WY factors alone from an inverse kept from
-    the forward (``STAGE`` 2: the backward's recomputation)."""
+    """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
+    the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     if STAGE == 0:
-        inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-        # The same program reads the inverse back as one tile: make every thread's stores visible first.
-        tl.debug_barrier()
-    b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)          # [BT, BT]
+        b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
+    else:
+        b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
     wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
                 d_q, d_k, d_v, d_gP, TMA)
