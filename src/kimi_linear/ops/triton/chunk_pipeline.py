@@ -57,10 +57,9 @@ class LaunchConfig:
     # inputs (float32 keeps the sub-block scheme: that launch needs more shared memory than the card has). H200,
     # 2026-12-01, scores kernel ms at 16 x 2048 softplus / lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without
     # them and 0.95 / 0.72 in a launch of their own. (Not a setting.)
-    # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (512 bytes per token
-    # and value head with bf16 inputs, l2norm and the gate in the kernels, else 640, against the inputs' ~1 KiB at
-    # K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which then skips the scores and the inverse
-    # (about 3 ms of 20 in the H200 benchmark). False: recompute everything
+    # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
+    # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
+    # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
     keep_scores: bool = True
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
@@ -179,9 +178,8 @@ def varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 @dataclass
 class Kept:
     """What the forward keeps for the backward with ``LaunchConfig(keep_scores=True)`` (as fla keeps its Aqk and
-    inverse): per token and value head the 64 scores Aqk (storage dtype), Akk (float16 for 16-bit inputs with
-    l2norm and the gate in the kernels, else float32) and the inverse Tm (float32), and the l2norm row factors. The
-    backward then recomputes only gP, the WY factors and the states."""
+    inverse): per token and value head the 64 scores Aqk (storage dtype), Akk and the inverse Tm (float32 each),
+    and the l2norm row factors. The backward then recomputes only gP, the WY factors and the states."""
 
     Aqk: torch.Tensor
     Akk: torch.Tensor
@@ -322,11 +320,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     )
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
-        # 16-bit inputs, l2norm and the gate formula in the kernels (log decays <= 0): |Akk| <= 1, and its tf32
-        # products carry 2^-11 relative rounding already, so float16 (11-bit significand) loses no more than half
-        # that and halves the bytes the inverse reads. (A caller's own gate may rise, and Akk then exceed 65504.)
-        half_akk = p.prec == "tf32" and use_l2 and opts.use_gate_in_kernel
-        Akk = p.empty(B, T, HV, BT, dtype=torch.float16 if half_akk else torch.float32)
+        Akk = p.empty(B, T, HV, BT)
         Tm = p.empty(B, T, HV, BT) if keep or scale is None else None
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
