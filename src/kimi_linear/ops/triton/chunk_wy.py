@@ -532,11 +532,6 @@ def inverse_blocks(
     return b_T
 
 
-# Magnitude below which a WY product's operands take float16 (largest finite value 65504; the products accumulate
-# in float32)
-F16_SAFE: tl.constexpr = tl.constexpr(32768.0)
-
-
 @triton.jit
 def wy_product(b_Th, b_x, PREC: tl.constexpr):
     """``Tm @ b_x`` ([BT, BT] x [BT, BKS] -> [BT, BKS] float32) for the WY factors, with ``b_Th`` from
@@ -570,11 +565,18 @@ def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0,
 
 
 @triton.jit
-def key_side(q, k, gP, b_beta, b_rq, b_rk, b_T, w, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-             BKS: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_gP, TMA: tl.constexpr):
-    """w, qg, kg and decay of the chunk at t0, with ``b_T`` the inverse as a product operand (float16, or float32
-    through :func:`wy_inverse_operand`)."""
+def wy_products(
+    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
+):
+    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
+    through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
+    b_Th = wy_inverse_operand(b_T, PREC)                                     # [BT, BT]
+    b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         if TMA:
@@ -586,67 +588,16 @@ def key_side(q, k, gP, b_beta, b_rq, b_rk, b_T, w, qg, kg, decay, i_c, bos, t0, 
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
-        b_x = b_k * b_eG * b_beta[:, None]                                   # [BT, BKS]
-        if b_T.dtype == tl.float16:
-            b_w = mm(b_T, b_x, PREC)
-        else:
-            b_w = wy_product(b_T, b_x, PREC)
+        b_w = wy_product(b_Th, b_k * b_eG * b_beta[:, None], PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
         tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
-
-
-@triton.jit
-def value_side(v, b_beta, b_T, u, bos, t0, T_n, i_hv, HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               BV: tl.constexpr, PREC: tl.constexpr, d_v, TMA: tl.constexpr):
-    """u of the chunk at t0, with ``b_T`` as in :func:`key_side`. Values have no bound: with a float16 ``b_T`` a tile
-    of ``beta v`` takes a float16 product only below F16_SAFE, else tf32 (``b_T``'s float16 values are exact
-    there)."""
     for c0 in range(0, V, BV):
         o_v = c0 + tl.arange(0, BV)
         b_v = chunk_tile(v, d_v, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA).to(tl.float32) * b_beta[:, None]
-        if b_T.dtype == tl.float16:
-            if tl.max(tl.abs(b_v)) < F16_SAFE:
-                b_u = mm(b_T, b_v, PREC)
-            else:
-                b_u = mm_rounded(b_T.to(tl.float32), tf32_operand(b_v, PREC), tl.zeros_like(b_v), PREC)
-        else:
-            b_u = wy_product(b_T, b_v, PREC)
+        b_u = wy_product(b_Th, b_v, PREC)
         store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
-
-
-@triton.jit
-def wy_products(
-    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
-):
-    """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
-    through tensor descriptors ``d_*`` (:func:`chunk_tile`).
-
-    16-bit inputs with l2norm take float16 products where the range is certain: unit keys, decays <= 1 and
-    0 <= beta <= 2 bound |Tm| by 2 and |beta k exp(G)| by 2 (docs/kda.md); float16 keeps tf32's 10 stored
-    significand bits (below 2^-14 its spacing is a fixed 2^-24) at twice tf32's tensor-core rate, in half the
-    registers. Other chunks (beta outside [0, 2], or an inverse past F16_SAFE) keep tf32."""
-    b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
-    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
-    if PREC == "tf32" and USE_QK_L2NORM:
-        f16 = (tl.min(b_beta) >= 0.0) & (tl.max(b_beta) <= 2.0) & (tl.max(tl.abs(b_T)) < F16_SAFE)
-    else:
-        f16 = False
-    if f16:
-        b_T16 = b_T.to(tl.float16)                                           # [BT, BT]
-        key_side(q, k, gP, b_beta, b_rq, b_rk, b_T16, w, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                 H, HV, K, BT, BC, BKS, PREC, d_q, d_k, d_gP, TMA)
-        value_side(v, b_beta, b_T16, u, bos, t0, T_n, i_hv, HV, V, BT, BV, PREC, d_v, TMA)
-    else:
-        b_Th = wy_inverse_operand(b_T, PREC)                                 # [BT, BT]
-        key_side(q, k, gP, b_beta, b_rq, b_rk, b_Th, w, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                 H, HV, K, BT, BC, BKS, PREC, d_q, d_k, d_gP, TMA)
-        value_side(v, b_beta, b_Th, u, bos, t0, T_n, i_hv, HV, V, BT, BV, PREC, d_v, TMA)
 
 
 @triton.jit
