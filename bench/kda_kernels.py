@@ -83,6 +83,7 @@ BUDGET = 0.0                                                    # seconds from S
 SASS_DIR = ""                                                   # --sass-dir: --offline-sm90 writes each kernel's SASS
 SASS_KERNEL = ""                                                # --kernel: --offline-sm90 compiles only these
 NO_FLA = False                                                  # --no-fla: no anchor columns (saves its compile)
+TRAIN_OPTS: dict = {}                  # --disable-recompute: chunk_kda options of the forward + backward rows
 NO_BACKWARD = False                                             # --no-backward: forward steps and sweep rows only
 
 
@@ -253,7 +254,8 @@ def bench_regimes(bw: float, tf: float, fla_chunk, backward: bool) -> None:
                 x, lb = make_regime(B, T, regime)
                 what = f"{B}x{T} {regime} (mean log decay {mean_log_decay(x, lb):.2f})"
                 ms, fla_ms = chunk_ms(x, lb, fla_chunk, pass_backward)
-                row(f"regime {'fwd+bwd' if pass_backward else 'fwd'} {what}", ms, B * T, fla_ms,
+                step = ("fwd+bwd" + (" disable_recompute" if TRAIN_OPTS else "")) if pass_backward else "fwd"
+                row(f"regime {step} {what}", ms, B * T, fla_ms,
                     chunk_floor(B * T, bw, tf, pass_backward))
                 if not pass_backward and fla_ms is not None and (worst is None or fla_ms / ms < worst[0]):
                     worst = (fla_ms / ms, f"fwd {what}")
@@ -276,7 +278,7 @@ def profile_regimes(fla_chunk, backward: bool) -> None:
             runs += [("fla fwd", lambda: fla_chunk(*args5(x), output_final_state=True, **fla_opts(x, lb)))]
         if backward:
             runs += [("ours fwd+bwd", fwd_bwd_runner(
-                lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb))[0], x))]
+                lambda L: kops.chunk_kda(*args5(L), output_final_state=True, **opts(L, lb), **TRAIN_OPTS)[0], x))]
         for what, fn in runs:
             rows = kernel_times(fn) if S.dev == "cuda" else []
             say(f"  regime profile {B}x{T} {regime}, {what}: {kernel_summary(rows, 12)}")
@@ -602,8 +604,8 @@ def chunk_ms(x, lb: bool, fla_chunk, backward: bool) -> tuple[float, float | Non
     forward + backward over 200 ms of timing (about a dozen runs of a 16 ms step; 50 ms gave three)."""
     def timed(fn, kw) -> float:
         if backward:
-            return median_ms(fwd_bwd_runner(lambda L: fn(*args5(L), output_final_state=True, **kw(L, lb))[0], x),
-                             rep=200)
+            return median_ms(fwd_bwd_runner(lambda L: fn(*args5(L), output_final_state=True, **kw(L, lb),
+                                                         **TRAIN_OPTS)[0], x), rep=200)
         return median_ms(lambda: fn(*args5(x), output_final_state=True, **kw(x, lb)))
 
     fla_ms = timed(fla_chunk, fla_opts) if fla_chunk is not None else None
@@ -896,7 +898,7 @@ def offline_sm90(cfg_json: str) -> int:
 
 # --------------------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    global S, OUT, BUDGET, BASE, NO_BACKWARD, NO_FLA, SASS_DIR, SASS_KERNEL
+    global S, OUT, BUDGET, BASE, NO_BACKWARD, NO_FLA, SASS_DIR, SASS_KERNEL, TRAIN_OPTS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="correctness at full size (GPU) against PyTorch")
     p.add_argument("--bench", action="store_true", help="timings (the default without --check/--profile)")
@@ -927,6 +929,9 @@ def main() -> int:
     p.add_argument("--sass-dir", default="", help="with --offline-sm90: write each kernel's SASS here (NAME.N.sass)")
     p.add_argument("--kernel", default="", help="with --offline-sm90: only kernels whose name contains this")
     p.add_argument("--no-fla", action="store_true", help="leave fla out (no anchor columns; saves its compile time)")
+    p.add_argument("--disable-recompute", action="store_true",
+                   help="forward + backward rows (and profiles) with chunk_kda(disable_recompute=True), ours and "
+                        "fla's: the forward keeps its WY factors for the backward (memory for time)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script logic only)")
     p.add_argument("--offline-sm90", metavar="CFG_JSON", nargs="?", const="{}", default=None,
                    help="no GPU needed: compile the pipeline's kernels for sm_90, print registers/spills "
@@ -934,6 +939,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.json and kernels.log")
     a = p.parse_args()
     S, OUT, BUDGET, NO_BACKWARD, NO_FLA = Setup(a.smoke), a.out, a.budget, a.no_backward, a.no_fla
+    TRAIN_OPTS = {"disable_recompute": True} if a.disable_recompute else {}
     if a.head_dim:
         S.D = a.head_dim
     if a.shapes:

@@ -351,3 +351,56 @@ def test_reference_row_level_gradients_on_every_diagonal_block(dtype, monkeypatc
     opts = KernelOptions(True, True, True, False, params["A_log"], params["dt_bias"], None)
     check(x, opts, params, bar=1e-4 if dtype == torch.float32 else 2e-2)
     assert calls
+
+
+class LaunchCounter:
+    """Stands in for a Triton kernel in a module's globals and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("case", ["bf16 options", "varlen float32"])
+def test_disable_recompute_keeps_the_factors(case, monkeypatch):
+    """fla's ``disable_recompute=True`` (``LaunchConfig.keep_factors``): the forward keeps its gate sums and WY
+    factors (six more saved tensors), the backward launches neither the prepare nor the WY kernel, and every
+    gradient has the same bits as with the recomputation."""
+    from kimi_linear.ops.triton import chunk_pipeline
+
+    counters = {n: LaunchCounter(getattr(chunk_pipeline, n))
+                for n in ("chunk_kda_prepare_kernel", "chunk_kda_fwd_wy_kernel")}
+    for n, c in counters.items():
+        monkeypatch.setattr(chunk_pipeline, n, c)
+    if case == "bf16 options":
+        x = make_inputs(B=1, T=70, H=1, HV=2, K=32, V=32, raw=True, dtype=torch.bfloat16, seed=97)
+        opts, params = gate_opts(2, 32)
+        cu = None
+    else:
+        x, opts, params = make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, seed=98), NO_OPTIONS, {}
+        cu = torch.tensor([0, 1, 1, 70, 71, 90])
+
+    def grads(disable_recompute: bool):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in dict(x, **params).items() if t is not None}
+        kw = dict(opts.kwargs(), **{n: leaves[n] for n in params})
+        o, S = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                         initial_state=leaves["initial_state"], output_final_state=True, cu_seqlens=cu,
+                         disable_recompute=disable_recompute, **kw)
+        saved = [t for t in o.grad_fn.saved_tensors if t is not None]
+        for c in counters.values():
+            c.launches = 0
+        w = (loss_weights(o.shape), loss_weights(S.shape, 2))
+        ((o.float() * w[0]).sum() + (S * w[1]).sum()).backward()
+        launches = {n: c.launches for n, c in counters.items()}
+        return [o, S] + [leaves[n].grad for n in sorted(leaves)], len(saved), launches
+
+    got, n_got, launches_got = grads(True)
+    want, n_want, launches_want = grads(False)
+    assert n_got == n_want + 6
+    assert launches_got == {"chunk_kda_prepare_kernel": 0, "chunk_kda_fwd_wy_kernel": 0}
+    assert launches_want == {"chunk_kda_prepare_kernel": 1, "chunk_kda_fwd_wy_kernel": 1}
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

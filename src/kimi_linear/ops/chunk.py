@@ -112,8 +112,11 @@ def chunk_kda(
         use_gate_in_kernel: ``g <- fused_kda_gate(g, A_log, dt_bias, lower_bound)``; ``A_log=None`` with
             ``lower_bound`` means ``lower_bound * sigmoid(g + dt_bias)``.
         use_beta_sigmoid_in_kernel: ``beta <- sigmoid(beta)`` (``2 * sigmoid`` with ``allow_neg_eigval``).
-        safe_gate, disable_recompute, cu_seqlens_cpu: accepted with fla's meaning; they change nothing here
+        safe_gate, cu_seqlens_cpu: accepted with fla's meaning; they change nothing here
             (:mod:`kimi_linear.ops.compat` says why).
+        disable_recompute: fla's trade of memory for the backward's time: the Triton forward keeps its gate sums
+            and WY factors for the backward (about 1.5 KiB more per token and value head at K=V=128 in bf16),
+            which then skips recomputing them. The same numbers either way.
         return_intermediate_states: also return the state at the start of every chunk of ``chunk_size`` tokens,
             [B, NT, HV, K, V] in q's dtype (NT chunks per sequence; with ``cu_seqlens`` B = 1 and NT counts every
             sequence's chunks), for inference (no gradient). Runs the PyTorch path.
@@ -137,7 +140,8 @@ def chunk_kda(
     fast = triton_op("chunk_kda", q)
     if fast is not None and not return_intermediate_states:
         o, final = fast(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, **opts.kwargs())
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                        disable_recompute=disable_recompute, **opts.kwargs())
         return o, v_first(final, state_v_first)
     out_dtype = q.dtype
     # The PyTorch path picks its own precision (float32 products, float64 for float64 inputs); bf16 autocast

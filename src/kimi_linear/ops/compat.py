@@ -1,9 +1,9 @@
 """fla-core 0.6's extra arguments of ``chunk_kda`` / ``fused_recurrent_kda`` / ``fused_kda_gate``, mapped onto ours.
 
 fla's callers (its tests, vLLM, transformers) pass options that change nothing in our arithmetic (``safe_gate``,
-``disable_recompute``, ``cu_seqlens_cpu``) or that are a layout (``state_v_first``: states stored ``[V, K]``), or
-the bounded gate without a decay rate (``A_log=None`` with ``lower_bound``). This module gives each its meaning
-once, so the public functions stay readable:
+``cu_seqlens_cpu``; ``disable_recompute`` changes only what the Triton forward keeps for the backward) or that are
+a layout (``state_v_first``: states stored ``[V, K]``), or the bounded gate without a decay rate (``A_log=None``
+with ``lower_bound``). This module gives each its meaning once, so the public functions stay readable:
 
 - ``safe_gate``: fla's promise that gates lie in ``[lower_bound, 0)`` so it may use faster 16-row products; ours
   are exact for any gate, so it is only validated (with the in-kernel gate it needs ``-5 <= lower_bound < 0``).

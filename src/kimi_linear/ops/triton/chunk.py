@@ -13,6 +13,7 @@ chunkwise path, recomputed and differentiated (the reference and the fallback).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -42,7 +43,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                                             cu_seqlens, cfg, keep)
         ctx.has_kept = kept is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
-                              *((kept.Aqk, kept.Akk, kept.Tm, kept.rq, kept.rk) if kept is not None else ()))
+                              *(kept.tensors() if kept is not None else ()))
         ctx.scale, ctx.opts, ctx.cfg = scale, opts, cfg
         return o, ht
 
@@ -58,7 +59,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def _triton_backward(ctx, do, dht):
         q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens, *kept = ctx.saved_tensors
-        kept = Kept(*kept) if ctx.has_kept else None
+        kept = Kept.from_tensors(kept) if ctx.has_kept else None
         opts = ctx.opts
         if opts.use_gate_in_kernel:                                # the saved (autograd-tracked) parameters
             opts = KernelOptions(opts.use_qk_l2norm_in_kernel, True, opts.use_beta_sigmoid_in_kernel,
@@ -109,8 +110,11 @@ def chunk_kda(
     lower_bound: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     allow_neg_eigval: bool = False,
+    disable_recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton ``chunk_kda``: same contract as :func:`kimi_linear.ops.chunk_kda` (inputs validated there)."""
+    """Triton ``chunk_kda``: same contract as :func:`kimi_linear.ops.chunk_kda` (inputs validated there).
+    ``disable_recompute`` (fla's option) runs ``LaunchConfig.keep_factors``: the forward also keeps its gate sums
+    and WY factors, and the backward skips recomputing them."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     scale = K ** -0.5 if scale is None else scale
@@ -134,6 +138,7 @@ def chunk_kda(
         initial_state = initial_state.contiguous()
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens, DEFAULT_CONFIG)
+        cfg = replace(DEFAULT_CONFIG, keep_factors=True) if disable_recompute else DEFAULT_CONFIG
+        o, ht = ChunkKDAFunction.apply(*tensors, scale, output_final_state, opts, cu_seqlens, cfg)
         return o, (ht if output_final_state else None)
     return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, opts, cu_seqlens, DEFAULT_CONFIG)

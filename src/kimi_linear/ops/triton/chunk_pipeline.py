@@ -61,6 +61,10 @@ class LaunchConfig:
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
     keep_scores: bool = True
+    # With keep_scores, also the gate sums and the WY factors (gP float32, w, u, qg, kg in the storage dtype:
+    # 1.5 KiB more per token and value head at K=V=128 in bf16), so that the backward skips the prepare and WY
+    # kernels. Not measured yet; chunk_kda's disable_recompute=True (fla's name for this trade) turns it on
+    keep_factors: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
@@ -176,16 +180,45 @@ def varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @dataclass
+class Factors:
+    """The gate sums and the WY factors, kept by a forward with ``disable_recompute`` (fla's option: memory for
+    the backward's time): per token and value head gP (float32, K), w, qg, kg (K each) and u (V) in the storage
+    dtype, and the per-chunk decay."""
+
+    gP: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    decay: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.gP, self.w, self.u, self.qg, self.kg, self.decay
+
+
+@dataclass
 class Kept:
     """What the forward keeps for the backward with ``LaunchConfig(keep_scores=True)`` (as fla keeps its Aqk and
     inverse): per token and value head the 64 scores Aqk (storage dtype), Akk and the inverse Tm (float32 each),
-    and the l2norm row factors. The backward then recomputes only gP, the WY factors and the states."""
+    and the l2norm row factors. The backward then recomputes only gP, the WY factors and the states, or only the
+    states when ``factors`` are kept too (``disable_recompute``)."""
 
     Aqk: torch.Tensor
     Akk: torch.Tensor
     Tm: torch.Tensor
     rq: torch.Tensor | None
     rk: torch.Tensor | None
+    factors: Factors | None = None
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every kept tensor in a flat tuple (autograd's saved tensors); :meth:`from_tensors` reads it back."""
+        return (self.Aqk, self.Akk, self.Tm, self.rq, self.rk) + (self.factors.tensors() if self.factors else ())
+
+    @classmethod
+    def from_tensors(cls, tensors) -> Kept:
+        tensors = list(tensors)
+        factors = Factors(*tensors[5:]) if len(tensors) > 5 else None
+        return cls(*tensors[:5], factors=factors)
 
 
 @dataclass
@@ -305,28 +338,33 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest. With
     ``scale`` (the forward) the scan forms the output ``Pieces.o`` and stores neither the per-chunk states nor vn;
     without it (the backward's recompute) it stores both for the gradient kernels. ``keep=False`` (a forward no
-    backward follows) leaves the inverse in registers: ``Pieces.Tm`` is then None."""
+    backward follows) leaves the inverse in registers: ``Pieces.Tm`` is then None. With ``kept.factors`` the gate
+    sums and the WY factors come from the forward too, and only (e) runs."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
     norms = use_l2 and kept is None                                    # rq, rk written by the scores kernel
-    gP = p.empty(B, T, HV, K)
+    factors = kept.factors if kept is not None else None
     rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
-    chunk_kda_prepare_kernel[p.grid(1, HV)](
-        g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-        HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
-        num_warps=4,
-    )
+    if factors is None:
+        gP = p.empty(B, T, HV, K)
+        chunk_kda_prepare_kernel[p.grid(1, HV)](
+            g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+            HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
+            num_warps=4,
+        )
+        w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
+        u = p.empty(B, T, HV, V, dtype=p.sdt)
+        decay = p.empty(max(NT, 1), HV, K)
+    else:
+        gP, w, u, qg, kg, decay = factors.tensors()
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
         Akk = p.empty(B, T, HV, BT)
         Tm = p.empty(B, T, HV, BT) if keep or scale is None else None
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
-    w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
-    u = p.empty(B, T, HV, V, dtype=p.sdt)
-    decay = p.empty(max(NT, 1), HV, K)
     bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
@@ -349,9 +387,9 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
-    chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0,
-                                           num_warps=cfg.wy_warps, num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs),
-                                           **wy, **shared)
+    if factors is None:
+        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
+                                               num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)
@@ -386,7 +424,7 @@ def chunk_kda_fwd_keeping(
     cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG, keep: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Kept | None]:
     """:func:`chunk_kda_fwd_pipeline` and what the backward may keep of it (:class:`Kept`; None when empty or
-    without ``keep``)."""
+    without ``keep``; with ``cfg.keep_factors`` the gate sums and WY factors too, :class:`Factors`)."""
     p = Problem(q, v, cu_seqlens, opts, cfg)
     if p.T == 0 or p.NT == 0:
         o = torch.zeros(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
@@ -396,7 +434,10 @@ def chunk_kda_fwd_keeping(
                                                                                      dtype=torch.float32)
         return o, ht, None
     x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state, scale=scale, keep=keep)
-    return x.o, x.ht, (Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk) if keep else None)
+    if not keep:
+        return x.o, x.ht, None
+    factors = Factors(x.gP, x.w, x.u, x.qg, x.kg, x.decay) if cfg.keep_factors else None
+    return x.o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk, factors)
 
 
 @dataclass
