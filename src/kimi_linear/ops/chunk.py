@@ -116,7 +116,7 @@ def chunk_kda(
             (:mod:`kimi_linear.ops.compat` says why).
         disable_recompute: fla's trade of memory for the backward's time: the Triton forward keeps its gate sums
             and WY factors for the backward (about 1.5 KiB more per token and value head at K=V=128 in bf16),
-            which then skips recomputing them. The same numbers either way.
+            which then skips recomputing them. The same arithmetic either way.
         return_intermediate_states: also return the state at the start of every chunk of ``chunk_size`` tokens,
             [B, NT, HV, K, V] in q's dtype (NT chunks per sequence; with ``cu_seqlens`` B = 1 and NT counts every
             sequence's chunks), for inference (no gradient). Runs the PyTorch path.
