@@ -367,11 +367,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
     bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
-    wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
-              kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK),
-              BV=min(cfg.wy_bks, p.BVmax), USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-              NEG_EIGVAL=opts.allow_neg_eigval)
-    wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
@@ -388,6 +383,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     if factors is None:
+        wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
+                  kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax),
+                  USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
+        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
         chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
                                                num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
