@@ -373,7 +373,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
         # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
-        halves = p.prec == "tf32"
+        halves = False
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
