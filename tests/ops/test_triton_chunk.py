@@ -413,7 +413,7 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     from kimi_linear.ops.triton import chunk_wy
 
     halves = spy_calls(monkeypatch, chunk_wy, "halves_scores")
-    sub_blocks = spy_calls(monkeypatch, chunk_wy, "blocked_scores")
+    sub_blocks = spy_calls(monkeypatch, chunk_wy, "chunk_scores")
     x = mixed_gates(make_inputs(B=2, T=130, H=1, HV=2, K=64, V=32, dtype=dtype, seed=73), seed=74)
     g = x["g"].double()
     g[:, :, 0] = -3.0 + 0.1 * torch.randn(2, 130, 64, generator=torch.Generator().manual_seed(75),

@@ -330,78 +330,6 @@ def chunk_scores(
 
 
 @triton.jit
-def link_tiles(b_t1, b_t2, NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``exp(G_r - G_e)`` for row block I (r: the row before it) and each earlier column block J (e: J's last row),
-    [NB, BT, BKS] (block I, column row j, channel), 1 where J >= I: the gate summed over the sub-blocks strictly
-    between J and I, which can only be 1 and 2. Products of per-channel factors <= 1, never a difference."""
-    o_b = tl.arange(0, NB)[:, None, None]                                   # [NB, 1, 1] row block I
-    s_c = (tl.arange(0, BT) // BC)[None, :, None]                           # [1, BT, 1] column block J
-    b_e1 = fast_exp(b_t1)[None, None, :]                                    # [1, 1, BKS]
-    b_e2 = fast_exp(b_t2)[None, None, :]
-    return (tl.where((s_c < 1) & (o_b > 1), b_e1, 1.0)
-            * tl.where((s_c < 2) & (o_b > 2), b_e2, 1.0))
-
-
-@triton.jit
-def blocked_scores(
-    q, k, gP, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr,
-):
-    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and channel step,
-    each 16-row block I of rows against all BT columns ([NB, BC, BKS] x [NB, BKS, BT], the work of one [BT, BT]
-    product), with the reference of block I at the row r before it:
-
-    * rows ``q_i exp(G_i - G_r) = q_i exp(gP_i)`` (<= 1);
-    * columns of earlier blocks J < I: ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j) link(I, J)``
-      (:func:`link_tiles`), both factors <= 1: nothing overflows, and a factor underflows only where the exact
-      one does;
-    * columns of block I itself (the diagonal blocks): ``k_j exp(-gP_j)`` on the channel steps where every
-      sub-block's gate sum is above -SAFE_EXP (:func:`totals_safe`), else zero, and those steps' diagonal blocks
-      come first as in the sub-block scheme (:func:`clamped_diagonal` for 16-bit inputs, :func:`diagonal_levels`
-      for float32);
-    * columns of later blocks: zero.
-
-    Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks
-    the rest)."""
-    tl.static_assert(BT == 4 * BC)
-    NB: tl.constexpr = BT // BC
-    o_t = tl.arange(0, BT)
-    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
-    o_b = tl.arange(0, NB)[:, None, None]                                  # [NB, 1, 1] row block I
-    s_c = (o_t // BC)[None, :, None]                                       # [1, BT, 1] column block J
-    b_sq = tl.zeros([BT, BT], dtype=tl.float32)
-    b_sk = tl.zeros([BT, BT], dtype=tl.float32)
-    if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        if PREC == "tf32":
-            b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
-        else:
-            b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
-    b_aq = tl.zeros([NB, BC, BT], dtype=tl.float32)
-    b_ak = tl.zeros([NB, BC, BT], dtype=tl.float32)
-    for c0 in range(0, K, BKS):
-        o_k = c0 + tl.arange(0, BKS)
-        b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
-        b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
-        b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
-                         tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
-        b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_rho = fast_exp(b_P)                                              # [BT, BKS] exp(G_i - G_r)
-        b_kap = b_k * fast_exp(b_own - b_P)                                # [BT, BKS] k_j exp(G_e - G_j)
-        b_kd = tl.zeros([BT, BKS], dtype=tl.float32)
-        if totals_safe(b_t0, b_t1, b_t2, b_t3):
-            b_kd = b_k * fast_exp(-b_P)                                    # [BT, BKS] <= 1.2e26 |k_j|
-        b_col = tl.where(s_c < o_b, b_kap[None, :, :] * link_tiles(b_t1, b_t2, NB, BT, BC),
-                         tl.where(s_c == o_b, b_kd[None, :, :], 0.0))      # [NB, BT, BKS]
-        b_ct = tl.trans(tf32_operand(b_col, PREC), 0, 2, 1)                # [NB, BKS, BT]
-        b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
-    return tl.reshape(b_aq, [BT, BT]) + b_sq, tl.reshape(b_ak, [BT, BT]) + b_sk
-
-
-@triton.jit
 def separable_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -516,8 +444,8 @@ def chunk_kda_fwd_scores_kernel(
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
-            b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                        BK, d_q, d_k, d_gP, TMA)
+            b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                      BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
