@@ -34,7 +34,6 @@ import triton.language as tl
 
 from .chunk_common import (
     SAFE_EXP,
-    block_links,
     cast,
     chunk_coords,
     chunk_gate_terms,
@@ -323,7 +322,7 @@ def chunk_kda_bwd_list_kernel(
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     sep, bounded = chunk_kind(gP, bos, i_t * BT, T_n, i_hv, HV, K, BKA, BC)
     if not sep:
-        if HALVES:
+        if bounded and HALVES:
             tl.store(chunks + tl.atomic_add(count, 1), i_c * HV + i_hv)
         else:
             tl.store(chunks + (L - 1 - tl.atomic_add(count + 1, 1)), i_c * HV + i_hv)
@@ -359,8 +358,8 @@ def chunk_kda_bwd_listed_kernel(
             sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, (it % NW) // NK, T_n,
                             it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
         else:
-            blocked_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
-                          i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+            halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
+                         i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
 
 
 @triton.jit(noinline=True)
@@ -415,130 +414,6 @@ def sub_block_grads(
     store_rows(dk_p, b_dk, bos, rS, T_n, i_hv, HV, K, o_k, BC)
     store_rows(dg_p, tl.where(m_r[:, None], b_dG, 0.0), bos, rS, T_n, i_hv, HV, K, o_k, BC)
 
-
-@triton.jit
-def load_diagonal_blocks(p, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """The diagonal [BC, BC] blocks of a chunk's [BT, BT] score gradient, strictly lower (zero on and above the
-    diagonal, and past T_n): [NB, BC, BC]."""
-    NB: tl.constexpr = BT // BC
-    o_b = tl.arange(0, NB)[:, None, None]
-    o_i = tl.arange(0, BC)[None, :, None]
-    o_j = tl.arange(0, BC)[None, None, :]
-    o_r = o_b * BC + o_i                                                    # [NB, BC, 1] row in the chunk
-    m = ((t0 + o_r) < T_n) & (o_j < o_i)
-    return tl.load(p + ((bos + t0) * HV + i_hv) * BT + o_r * (HV * BT) + o_b * BC + o_j, mask=m, other=0.0)
-
-
-@triton.jit
-def diagonal_block_grads(b_dq, b_dk, b_dG, b_dAq, b_dAk, b_q, b_k, b_rf, b_cf, BT: tl.constexpr, BC: tl.constexpr,
-                         PREC: tl.constexpr):
-    """Score gradients of the pairs that ``b_dAq``, ``b_dAk`` ([NB, BC, BC], the diagonal blocks, zero elsewhere)
-    hold, added to (dq, dk, dG) ([BT, BK] each), for row factors ``b_rf`` and column factors ``b_cf`` ([BT, BK])
-    whose product is ``exp(gP_i - gP_j)`` on those pairs. With ``Q' = q rf``, ``Kr = k rf``, ``Kc = k cf``
-    (rounded once for PREC):
-
-        dq += rf (dAq Kc)      dk += rf (dAk Kc) + cf (dAq^T Q' + dAk^T Kr)
-        dG += Q' (dAq Kc) + Kr (dAk Kc) - Kc (dAq^T Q' + dAk^T Kr)
-
-    four products batched over the chunk's NB blocks ([NB, BC, BC] x [NB, BC, BK]). dG comes from the rounded
-    operands themselves, so each pair's row and column shares are the same real number and cancel."""
-    NB: tl.constexpr = BT // BC
-    BK: tl.constexpr = b_q.shape[1]
-    b_qr = tf32_operand(tl.reshape(b_q * b_rf, [NB, BC, BK]), PREC)
-    b_kr = tf32_operand(tl.reshape(b_k * b_rf, [NB, BC, BK]), PREC)
-    b_kc = tf32_operand(tl.reshape(b_k * b_cf, [NB, BC, BK]), PREC)
-    b_aq = tf32_operand(b_dAq, PREC)
-    b_ak = tf32_operand(b_dAk, PREC)
-    b_zero = tl.zeros([NB, BC, BK], dtype=tl.float32)
-    b_rq = mm_rounded(b_aq, b_kc, b_zero, PREC)                                  # [NB, BC, BK] dAq Kc
-    b_rk = mm_rounded(b_ak, b_kc, b_zero, PREC)                                  # dAk Kc
-    b_c = mm_rounded(tl.trans(b_ak, 0, 2, 1), b_kr, mm_rounded(tl.trans(b_aq, 0, 2, 1), b_qr, b_zero, PREC), PREC)
-    b_dq += b_rf * tl.reshape(b_rq, [BT, BK])
-    b_dk += b_rf * tl.reshape(b_rk, [BT, BK]) + b_cf * tl.reshape(b_c, [BT, BK])
-    b_dG += tl.reshape(b_qr * b_rq + b_kr * b_rk - b_kc * b_c, [BT, BK])
-    return b_dq, b_dk, b_dG
-
-
-@triton.jit(noinline=True)
-def blocked_grads(
-    q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
-):
-    """The score gradients of a chunk that is not separable, at any gate, all 64 rows at once (key block i_k), by
-    the forward's blocked factorisation (chunk_wy.blocked_scores): the pair (i, j) of row block I and column
-    block J has ``exp(G_i - G_j) = e_i F^I_j`` with ``e = exp(gP)`` (<= 1) and, for J < I,
-    ``F^I_j = exp(tot_J - gP_j) link(I, J)`` (<= 1, chunk_common.block_links), for J = I ``exp(-gP_j)`` on key
-    blocks where every sub-block's gate sum is above -SAFE_EXP (else those pairs go through the clamped gate steps
-    or, for float32, the reference-row levels: :func:`diagonal_block_grads`). With ``X^I = k F^I`` ([NB, BT, BK],
-    rounded once) and ``Qe = q e``, ``Ke = k e`` (rounded once):
-
-        dq = e (dAq_I X^I)        dk_rows = e (dAk_I X^I)        (dA_I: block I's [BC, BT] rows)
-        P^I = dAq_I^T Qe_I + dAk_I^T Ke_I    ([BT, BK] per I)    dk_cols = sum_I F^I P^I
-        dG = Qe (dAq_I X^I) + Ke (dAk_I X^I) - sum_I X^I P^I
-
-    four products batched over the NB row blocks ([NB, BC, BT] x [NB, BT, BK] and [NB, BT, BC] x [NB, BC, BK],
-    each the work of one [BT, BT] x [BT, BK] product, as :func:`separable_grads` takes). The column shares of dG
-    are summed with the row shares' own rounded numbers X^I, block by block, so that each pair's two shares cancel
-    (the reverse cumulative sum of dG and the gate parameters' sums depend on it). Aqk's diagonal is added in
-    float32 beside the products, as in :func:`separable_grads`."""
-    tl.static_assert(BT == 4 * BC)
-    NB: tl.constexpr = BT // BC
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_t = tl.arange(0, BT)
-    s_r = (o_t // BC)[:, None]                                          # [BT, 1] sub-block of each row
-    o_b = tl.arange(0, NB)[:, None, None]                               # [NB, 1, 1] row block I
-    s_c = (o_t // BC)[None, :, None]                                    # [1, BT, 1] column block J
-    b_P, b_t0, b_t1, b_t2, b_t3 = gate_tiles(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)
-    b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
-                     tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))   # [BT, BK] tot of the row's block
-    safe = tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
-    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)      # [BT] x2
-    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]   # [BT, BK]
-    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]   # [BT, BK]
-    b_e = fast_exp(b_P)                                                 # [BT, BK] exp(G_i - G_r)
-    b_F = tl.where(s_c < o_b, fast_exp(b_own - b_P)[None, :, :] * block_links(b_t1, b_t2, o_b, s_c), 0.0)
-    if safe:
-        b_F = tl.where(s_c == o_b, fast_exp(-b_P)[None, :, :], b_F)     # [NB, BT, BK] diagonal blocks too
-    b_X = tf32_operand(b_k[None, :, :] * b_F, PREC)                     # [NB, BT, BK]
-    b_qe = tf32_operand(b_q * b_e, PREC)                                # [BT, BK]
-    b_ke = tf32_operand(b_k * b_e, PREC)
-    b_zr = tl.zeros([NB, BC, BK], dtype=tl.float32)
-    # Aqk: rows, then its columns' partial sums P (dA loaded once per matrix)
-    b_A = tl.reshape(tf32_operand(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), PREC), [NB, BC, BT])
-    b_r = tl.reshape(mm_rounded(b_A, b_X, b_zr, PREC), [BT, BK])         # [BT, BK] dAq_I X^I
-    b_dq = b_e * b_r
-    b_dG = b_qe * b_r
-    b_Pc = mm_rounded(tl.trans(b_A, 0, 2, 1), tl.reshape(b_qe, [NB, BC, BK]),
-                      tl.zeros([NB, BT, BK], dtype=tl.float32), PREC)   # [NB, BT, BK]
-    b_A = tl.reshape(tf32_operand(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), PREC), [NB, BC, BT])
-    b_r = tl.reshape(mm_rounded(b_A, b_X, b_zr, PREC), [BT, BK])         # dAk_I X^I
-    b_dk = b_e * b_r
-    b_dG += b_ke * b_r
-    b_Pc = mm_rounded(tl.trans(b_A, 0, 2, 1), tl.reshape(b_ke, [NB, BC, BK]), b_Pc, PREC)
-    b_dk += tl.sum(b_F * b_Pc, 0)
-    b_dG -= tl.sum(b_X * b_Pc, 0)
-    if not safe:
-        b_dAq = load_diagonal_blocks(dAqk, bos, t0, T_n, i_hv, HV, BT, BC)     # [NB, BC, BC]
-        b_dAk = load_diagonal_blocks(dAkk, bos, t0, T_n, i_hv, HV, BT, BC)
-        if PREC != "ieee":
-            b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32x3")
-            b_dq, b_dk, b_dG = diagonal_block_grads(b_dq, b_dk, b_dG, b_dAq, b_dAk, b_q, b_k, b_rf, b_cf,
-                                                    BT, BC, PREC)
-        else:
-            o_i = tl.arange(0, BC)
-            for L in tl.static_range(4):                                # levels S = 16, 8, 4, 2
-                b_f = level_factor(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, 16 >> L, BT)   # [BT, BK]
-                m_l = level_pairs(o_i, o_i, 16 >> L)[None, :, :]
-                b_dq, b_dk, b_dG = diagonal_block_grads(b_dq, b_dk, b_dG, tl.where(m_l, b_dAq, 0.0),
-                                                        tl.where(m_l, b_dAk, 0.0), b_q, b_k, b_f, b_f, BT, BC, PREC)
-    b_d = load_diagonal(dAqk, bos, t0, T_n, i_hv, HV, BT)                # [BT] Aqk's diagonal
-    b_dq += b_d[:, None] * b_k + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    b_dk += b_d[:, None] * b_q + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    b_dG += load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    store_rows(dq_p, b_dq, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 @triton.jit
 def load_diagonal(p, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr):

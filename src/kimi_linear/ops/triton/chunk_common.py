@@ -309,17 +309,6 @@ def earlier_factor(b_P, b_t0, b_t1, b_t2, I, BT: tl.constexpr, BC: tl.constexpr)
 
 
 @triton.jit
-def block_links(b_t1, b_t2, o_late, o_early):
-    """``exp(G_r - G_e)``: r the row before sub-block ``o_late``, e the last row of the earlier sub-block
-    ``o_early`` (index tensors that broadcast, e.g. [NB, 1, 1] and [1, BT, 1]), i.e. the gate summed over the
-    sub-blocks strictly between them, which can only be 1 and 2: [..., BKS] from their totals ([BKS] each). A
-    product of per-channel factors <= 1, never a difference; 1 where the blocks are adjacent (or not ordered)."""
-    b_e1 = fast_exp(b_t1)[None, None, :]                                    # [1, 1, BKS]
-    b_e2 = fast_exp(b_t2)[None, None, :]
-    return (tl.where((o_early < 1) & (o_late > 1), b_e1, 1.0)
-            * tl.where((o_early < 2) & (o_late > 2), b_e2, 1.0))
-
-@triton.jit
 def chunk_separable(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """Whether the chunk at t0 is *separable*: ``exp(G_i - G_j) = exp(D_i) exp(-D_j)`` with ``D = G - R`` and both
     factors normal float32 numbers (|D| < HALF_LIMIT) for every row and channel, so that its scores are one product

@@ -117,10 +117,6 @@ class LaunchConfig:
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
     bwd_halves_per_sm: int = 2
-    # EXPERIMENT: the listed chunks' blocked score gradients (chunk_bwd.blocked_grads): key channels per work item
-    # and warps (offline sm_90: 16 x 8 warps 255 registers, no spills; 16 x 4: 208 B of stack; 32 x 4: 1480 B)
-    bwd_blocked_bk: int = 16
-    bwd_blocked_warps: int = 8
     # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
     # fit four an SM). H200, 16 x 2048 fwd+bwd, against a launch of one program per chunk and sub-block over every
     # chunk: strong decay 19.56 -> 19.22 ms, the other regimes 0.39-0.44 ms faster (their idle programs); 2 an SM:
@@ -519,7 +515,7 @@ def chunk_kda_bwd_pipeline(
     # never go to the host) and taken by persistent launches: with 16-bit inputs (as in the forward) those bounded
     # per sub-block whole by halves, the rest by sub-blocks
     chunk_kda_bwd_intra_kernel[p.grid(1, HV)](**dict(intra, BK=BKs, num_warps=cfg.bwd_sep_warps))
-    by_halves = True
+    by_halves = p.prec == "tf32"
     count = torch.zeros(2, dtype=torch.int32, device=q.device)
     L = p.NT * HV
     chunks = torch.empty(L, dtype=torch.int32, device=q.device)
@@ -529,7 +525,7 @@ def chunk_kda_bwd_pipeline(
                   count=count, L=L)
     if by_halves:
         chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
-            **listed, SUB=False, BK=min(cfg.bwd_blocked_bk, p.BK), num_warps=cfg.bwd_blocked_warps, num_stages=1)
+            **listed, SUB=False, BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
     chunk_kda_bwd_listed_kernel[(cfg.bwd_sub_per_sm * num_sms(q.device),)](
         **dict(listed, **reg_cap(cfg.bwd_sub_regs)), SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
     dg = torch.empty_like(g)
