@@ -365,29 +365,29 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         Tm = p.empty(B, T, HV, BT) if keep or scale is None else None
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
+    bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
-    if factors is None:
-        wy = dict(v=v, beta=beta, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
-                  kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax),
-                  USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
-        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
     if kept is None:
-        # EXPERIMENT: the scores launches also form each chunk's inverse and WY factors
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
         # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
+        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, BK=p.BK, SEPARABLE=separable, HALVES=halves,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
-                **reg_cap(cfg.wy_regs), **wy, **shared,
+                **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-    elif factors is None:
-        # the factors from the inverse kept in memory
-        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](Akk=Akk, STAGE=2, num_warps=cfg.wy_warps,
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
+    if factors is None:
+        wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
+                  kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax),
+                  USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
+        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
+        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
                                                num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)

@@ -411,51 +411,42 @@ def halves_scores(
 
 @triton.jit
 def chunk_kda_fwd_scores_kernel(
-    q, k, v, beta, gP, rq, rk,        # [B, T, H, K] x2, [B, T, HV, V], [B, T, HV], [B, T, HV, K] f32, [B, T, H] f32 x2
+    q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
-    Tm, w, u, qg, kg, decay,          # out: as chunk_kda_fwd_wy_kernel's
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr,
-    SEPARABLE: tl.constexpr, HALVES: tl.constexpr, STORE_T: tl.constexpr,
-    d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
-    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path.
-    ``HALVES``: of the others, those that chunk_common.sub_blocks_bounded accepts by :func:`halves_scores`, the
-    rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme. Then, in the same
-    program, the chunk's inverse and WY factors (:func:`inverse_blocks`, :func:`wy_products`): Akk is read back
-    by 16x16 blocks right after this program stored it (L2 hits), and q, k, gP are read again while still in L2.
-    EXPERIMENT: fused scores and WY."""
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in 168 registers a thread, the other near 255). ``HALVES``: of the others, those that
+    chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
+    255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
+    rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
     sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-    mine = sep
-    if not SEPARABLE:
-        mine = not sep
-    if mine:
-        if SEPARABLE:
+    if SEPARABLE:
+        if sep:
             b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                                           PREC, d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+    elif not sep:
+        bounded = False
+        if HALVES:
+            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        if bounded:
+            b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                       d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
-            bounded = False
-            if HALVES:
-                bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-            if bounded:
-                b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                           d_q, d_k, d_gP, TMA)
-            else:
-                b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                          BK, d_q, d_k, d_gP, TMA)
-        b_rq, b_rk = finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS,
-                                   USE_QK_L2NORM)
-        tl.debug_barrier()                    # every thread's Akk rows stored before the inverse reads blocks
-        b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
-        wy_products(q, k, v, beta, gP, b_rq, b_rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                    H, HV, K, V, BT, BC, BKS, BV, USE_BETA_SIGMOID, NEG_EIGVAL, PREC, d_q, d_k, d_v, d_gP, TMA)
+            b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                      BK, d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
 @triton.jit
@@ -472,11 +463,7 @@ def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H
         b_aq = b_aq * b_rq[:, None] * b_rk[None, :]
         b_ak = b_ak * b_rk[:, None] * b_rk[None, :]
         store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, BT)
-    else:
-        b_rq = tl.full([BT], 1.0, dtype=tl.float32)
-        b_rk = tl.full([BT], 1.0, dtype=tl.float32)
     store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
-    return b_rq, b_rk
 
 
 @triton.jit
@@ -579,9 +566,9 @@ def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0,
 
 @triton.jit
 def wy_products(
-    q, k, v, beta, gP, b_rq, b_rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
@@ -589,6 +576,7 @@ def wy_products(
     through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
     b_Th = wy_inverse_operand(b_T, PREC)                                     # [BT, BT]
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
+    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         if TMA:
@@ -633,8 +621,6 @@ def chunk_kda_fwd_wy_kernel(
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
-    i_h = i_hv // (HV // H)
-    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
-    wy_products(q, k, v, beta, gP, b_rq, b_rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
-                H, HV, K, V, BT, BC, BKS, BV, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+                H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
                 d_q, d_k, d_v, d_gP, TMA)
