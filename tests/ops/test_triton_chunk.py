@@ -78,10 +78,10 @@ def test_extreme_gates_and_lengths(T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_separable_and_sub_block_score_paths_side_by_side(dtype):
+def test_separable_and_blocked_score_paths_side_by_side(dtype):
     """Head 0 decays by about 3 a step (96 over 32 rows: not separable, so the scores go by halves for bf16 and by
-    sub-blocks with the product diagonal for float32); head 1 by about 0.5 (separable: one product per channel
-    step)."""
+    the blocked scheme with the diagonal in its product for float32); head 1 by about 0.5 (separable: one product
+    per channel step)."""
     x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=39)
     g = x["g"].double()
     g[:, :, 0] = -3.0 + 0.1 * torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -183,7 +183,7 @@ def test_public_op_reads_the_module_default_config_at_call_time(monkeypatch):
 def test_scores_by_halves(case, dtype):
     """The three score paths side by side: value head 0 decays by about 3 a step (48 per sub-block: not separable
     as a chunk, bounded per sub-block, so the three-product path for bf16), head 1 by about 0.5 (separable), head
-    2 by about 6 (96 per sub-block: the sub-block scheme); "extreme gates": -1000 and 0 steps (sub-block scheme)
+    2 by about 6 (96 per sub-block: the blocked scheme); "extreme gates": -1000 and 0 steps (blocked scheme)
     beside ordinary chunks. Same numbers as the reference, every chunk written once (NaN poison)."""
     if case == "three paths":
         x = make_inputs(B=1, T=130, H=1, HV=3, K=32, V=16, dtype=dtype, seed=44)
@@ -205,7 +205,7 @@ def test_scores_by_halves(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_l2norm_factors_from_scores(dtype):
     """l2norm's row factors from the scores kernel (its paths on raw q, k, the [BT, BT] results scaled): with GVA
-    (one writer per q/k head), q and k far from unit norm, value heads on the separable, by-halves and sub-block
+    (one writer per q/k head), q and k far from unit norm, value heads on the separable, by-halves and blocked
     score paths (gate steps of about -0.5, -3 and -6)."""
     x = make_inputs(B=1, T=130, H=1, HV=3, K=40, V=16, dtype=dtype, seed=46)
     x["q"], x["k"] = (7 * x["q"]).to(dtype), (3 * x["k"]).to(dtype)
@@ -339,7 +339,7 @@ def test_clamped_diagonal_at_the_clamp():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
-    """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the sub-block
+    """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the blocked
     scheme, mild channels included (chunk_common.SAFE_EXP forced to -1): there every pair of a diagonal block has a
     factor that matters, so each level's pairs and masks are checked, not only the pairs next to the diagonal that
     strong decay leaves. Must match the reference as closely as the fast product does."""
@@ -406,14 +406,14 @@ def test_output_formed_in_the_scan(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     """``LaunchConfig(scores_tma=True)`` (the default): q, k and gP through the descriptors in every score path,
-    the by-halves and sub-block ones included (every tile counted), two sequences of 130 tokens (the first's last
+    the by-halves and blocked ones included (every tile counted), two sequences of 130 tokens (the first's last
     chunk reads the second's rows through the descriptor: they must count as zero); value head 0 on the halves
-    path (about -3 a step), head 1 mixed mild / strong channels (the sub-block scheme with its diagonal levels).
+    path (about -3 a step), head 1 mixed mild / strong channels (the blocked scheme with its diagonal levels).
     Bit for bit the pointer loads' outputs, and the reference's at the usual bars."""
     from kimi_linear.ops.triton import chunk_wy
 
     halves = spy_calls(monkeypatch, chunk_wy, "halves_scores")
-    sub_blocks = spy_calls(monkeypatch, chunk_wy, "chunk_scores")
+    blocked = spy_calls(monkeypatch, chunk_wy, "blocked_scores")
     x = mixed_gates(make_inputs(B=2, T=130, H=1, HV=2, K=64, V=32, dtype=dtype, seed=73), seed=74)
     g = x["g"].double()
     g[:, :, 0] = -3.0 + 0.1 * torch.randn(2, 130, 64, generator=torch.Generator().manual_seed(75),
@@ -428,7 +428,7 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     tiles.clear()
     o, S = chunk_kda_fwd(*args, cfg=LaunchConfig())
     o_ref, S_ref = reference(x, NO_OPTIONS)
-    assert sub_blocks and (halves or dtype == torch.float32)     # float32 takes no halves path
+    assert blocked and (halves or dtype == torch.float32)        # float32 takes no halves path
     assert tiles and all(tiles)                                  # every path's tiles came by descriptor
     assert torch.equal(o, o_ptr) and torch.equal(S, S_ptr)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)

@@ -53,10 +53,11 @@ class LaunchConfig:
     scores_warps: int = 4
     scores_stages: int = 3            # software pipelining of its channel loop (1: none); see scores_tma
     # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 80 go through
-    # three products per channel step (chunk_wy.halves_scores) inside the sub-block scheme's launch, for 16-bit
-    # inputs (float32 keeps the sub-block scheme: that launch needs more shared memory than the card has). H200,
-    # 2026-12-01, scores kernel ms at 16 x 2048 softplus / lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without
-    # them and 0.95 / 0.72 in a launch of their own. (Not a setting.)
+    # three products per channel step (chunk_wy.halves_scores) inside the other chunks' launch
+    # (chunk_wy.blocked_scores), for 16-bit inputs (float32 takes the blocked scheme: the by-halves launch needs
+    # more shared memory than the card has). H200, 2026-12-01, scores kernel ms at 16 x 2048 softplus /
+    # lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without them (by the sub-block scheme of then) and 0.95 / 0.72
+    # in a launch of their own. (Not a setting.)
     # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
     # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
     # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
@@ -74,10 +75,10 @@ class LaunchConfig:
     # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
     wy_tma: bool = True
     # The same for the scores' q, k and gP tiles in all three paths (chunk_wy.separable_scores, halves_scores,
-    # chunk_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
+    # blocked_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
     # scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound): separable scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65
-    # lower_bound, outputs bit-identical; the full-size checks pass. In the other two paths (2026-12-02, offline
-    # sm_90: the sub-block launch 255 registers with 184 B of spills -> 247, none): strong decay's scores 3.67 ->
+    # lower_bound, outputs bit-identical; the full-size checks pass. In the other two paths (2026-12-02, with the
+    # sub-block scheme then; offline sm_90 255 registers with 184 B of spills -> 247, none): strong decay's 3.67 ->
     # 3.31 ms, the by-halves path 1.009 -> 1.018 (lower_bound saturated), the rest unchanged
     scores_tma: bool = True
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
@@ -129,10 +130,11 @@ class LaunchConfig:
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
     scores_regs: int = 0              # the separable chunks' launch (160 registers uncapped, no spills)
-    # The other chunks' launch (halves and sub-block schemes, 255 registers uncapped): capped at 168 it runs two
-    # programs an SM for 248 B of spills. H200, 2026-12-03, scores kernel ms at 16x2048, bench gates / layer init /
-    # strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 / 0.577; uncapped 0.02-0.16 ms
-    # slower in every regime but strong decay, 0.03 ms faster there (BENCHMARKS.md, "Gate regimes")
+    # The other chunks' launch (halves and blocked schemes; offline sm_90 capped at 168: 296 B of stack): capped at
+    # 168 it runs two programs an SM. H200, 2026-12-03 (the sub-block scheme then), scores kernel ms at 16x2048,
+    # bench gates / layer init / strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 /
+    # 0.577; uncapped 0.02-0.16 ms slower in every regime but strong decay, 0.03 ms faster there; H100, 2026-12-05,
+    # the blocked scheme uncapped (236 registers, no spills) 0.15 ms slower under strong decay
     scores_rest_regs: int = 168
     wy_regs: int = 168
     bwd_regs: int = 0
@@ -371,7 +373,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                   BC=BC, **flags)
     if kept is None:
         # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
-        # float32 inputs keep the sub-block scheme: by halves has not run on the GPU with exact float32 products (a
+        # float32 inputs take the blocked scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)

@@ -7,10 +7,11 @@
 as [BT, BKS] x [BKS, BT] tensor-core products per channel step. Two launches: chunks whose gate falls by less than
 HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step
 (:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
-sub-block take three products by halves (:func:`halves_scores`), and the rest three with factors all <= 1, linked
-between 16-row sub-blocks by per-channel vectors (:func:`chunk_scores`), so nothing overflows at any gate. Their
-diagonal blocks use ``exp(gP_i) exp(-gP_j)`` (one product) on the channel steps where every sub-block's gate sum
-is above -SAFE_EXP, else (strong decay, e.g. padding gates of -1000) one batched product through gate steps clamped
+sub-block take three products by halves (:func:`halves_scores`), and the rest one batched product of the same
+work, each 16-row block of rows against every column with factors all <= 1, linked between blocks by per-channel
+vectors (:func:`blocked_scores`), so nothing overflows at any gate. Their diagonal blocks use
+``exp(gP_i) exp(-gP_j)`` (in that product) on the channel steps where every sub-block's gate sum is above
+-SAFE_EXP, else (strong decay, e.g. padding gates of -1000) one batched product through gate steps clamped
 at -DIAG_CLAMP for 16-bit inputs (:func:`clamped_diagonal`), or for float32 ``exp(gP_i - gP_r) exp(gP_r - gP_j)``
 through a reference row r between j and i, both factors <= 1, in two batched products per matrix (one per level
 of 16 and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row blocks elementwise
@@ -72,7 +73,7 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
 
 @triton.jit
 def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
-    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`chunk_scores` may take
+    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`blocked_scores` may take
     that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
     of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
@@ -82,7 +83,7 @@ def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC
 @triton.jit
 def totals_safe(b_t0, b_t1, b_t2, b_t3):
     """:func:`safe_step`'s test on the four sub-block totals of a channel step (one test for both the diagonal
-    product of :func:`chunk_scores` and :func:`diagonal_levels`, so each channel's pairs come from exactly one)."""
+    product of :func:`blocked_scores` and :func:`diagonal_levels`, so each channel's pairs come from exactly one)."""
     return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
 
 
@@ -159,7 +160,7 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 def strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr, o_k, c0, STEP: tl.constexpr):
     """A strong-diagonal pass's tiles at channels o_k: gP, and k and q as float32, [BT, len(o_k)] each; k and q are
-    zero unless the step is strong as :func:`chunk_scores` decides it, by its channel step (STEP channels) holding
+    zero unless the step is strong as :func:`blocked_scores` decides it, by its channel step (STEP channels) holding
     o_k. A mild step's q and k are zeroed rather than branched around: with every load of the step unconditional,
     they all issue at once, where a branch on the totals made each step wait for two dependent rounds of loads
     (H200, 16 x 2048 strong decay: scores 2.73 -> 2.61 ms, other regimes unchanged)."""
@@ -255,78 +256,123 @@ def clamped_diagonal(
 
 
 @triton.jit
-def chunk_scores(
+def link_tiles(b_t1, b_t2, NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """``exp(G_r - G_e)`` for row block I (r: the row before it) and each earlier column block J (e: J's last row),
+    [NB, BT, BKS] (block I, column row j, channel), 1 where J >= I: the gate summed over the sub-blocks strictly
+    between J and I, which can only be 1 and 2. Products of per-channel factors <= 1, never a difference."""
+    o_b = tl.arange(0, NB)[:, None, None]                                   # [NB, 1, 1] row block I
+    s_c = (tl.arange(0, BT) // BC)[None, :, None]                           # [1, BT, 1] column block J
+    b_e1 = fast_exp(b_t1)[None, None, :]                                    # [1, 1, BKS]
+    b_e2 = fast_exp(b_t2)[None, None, :]
+    return (tl.where((s_c < 1) & (o_b > 1), b_e1, 1.0)
+            * tl.where((s_c < 2) & (o_b > 2), b_e2, 1.0))
+
+
+# Channels per step of blocked_scores' products: its [NB, BT, step] column operand, and a launch step of 32 taken
+# as two halves split in registers. H100, 16 x 2048, strong decay (2026-12-05, bench/kda_ab.py, three rounds):
+# scores 1.549 ms, against 1.903 with 32-channel products and 2.131 for the sub-block scheme it replaced (three
+# [64, 64] products a step); the by-halves path stays for chunks bounded per sub-block, where blocked_scores took
+# 1.093 ms against its 0.859 (K3's saturated gates); the other regimes within 0.02 ms
+BLOCKED_STEP: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def channel_halves(b_x):
+    """[R, 2W] -> its first and second W channels, [R, W] each (a register split, no memory)."""
+    R: tl.constexpr = b_x.shape[0]
+    W: tl.constexpr = b_x.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(b_x, [R, 2, W]), (0, 2, 1)))
+
+
+@triton.jit
+def vector_halves(b_x):
+    """[2W] -> its first and second W entries."""
+    W: tl.constexpr = b_x.shape[0] // 2
+    return tl.split(tl.permute(tl.reshape(b_x, [2, W]), (1, 0)))
+
+
+@triton.jit
+def blocked_step(b_aq, b_ak, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr,
+                 PREC: tl.constexpr):
+    """One channel step of :func:`blocked_scores` added to its [NB, BC, BT] tiles, from the step's q, k, gP tiles
+    ([BT, W] float32) and sub-block totals ([W] each)."""
+    NB: tl.constexpr = BT // BC
+    W: tl.constexpr = b_q.shape[1]
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
+    o_b = tl.arange(0, NB)[:, None, None]                                  # [NB, 1, 1] row block I
+    s_c = (o_t // BC)[None, :, None]                                       # [1, BT, 1] column block J
+    b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
+                     tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))    # [BT, W] tot of the row's block
+    b_rho = fast_exp(b_P)                                                  # [BT, W] exp(G_i - G_r)
+    b_kap = b_k * fast_exp(b_own - b_P)                                    # [BT, W] k_j exp(G_e - G_j)
+    b_kd = tl.zeros([BT, W], dtype=tl.float32)
+    if totals_safe(b_t0, b_t1, b_t2, b_t3):
+        b_kd = b_k * fast_exp(-b_P)                                        # [BT, W] <= 1.2e26 |k_j|
+    b_col = tl.where(s_c < o_b, b_kap[None, :, :] * link_tiles(b_t1, b_t2, NB, BT, BC),
+                     tl.where(s_c == o_b, b_kd[None, :, :], 0.0))          # [NB, BT, W]
+    b_ct = tl.trans(tf32_operand(b_col, PREC), 0, 2, 1)                    # [NB, W, BT]
+    b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, W]), b_ct, b_aq, PREC)
+    b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, W]), b_ct, b_ak, PREC)
+    return b_aq, b_ak
+
+
+@triton.jit
+def blocked_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """Aqk and Akk of the chunk at t0, every [BT, BT] entry (zero above the diagonal, and on it for Akk), stored.
+    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and channel step,
+    each 16-row block I of rows against all BT columns ([NB, BC, BKS] x [NB, BKS, BT], the work of one [BT, BT]
+    product), with the reference of block I at the row r before it:
 
-    Three products per channel step, each with factors <= 1 (rows i, columns j; sub-blocks of 16 rows):
+    * rows ``q_i exp(G_i - G_r) = q_i exp(gP_i)`` (<= 1);
+    * columns of earlier blocks J < I: ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j) link(I, J)``
+      (:func:`link_tiles`), both factors <= 1: nothing overflows, and a factor underflows only where the exact
+      one does;
+    * columns of block I itself (the diagonal blocks): ``k_j exp(-gP_j)`` on the channel steps where every
+      sub-block's gate sum is above -SAFE_EXP (:func:`totals_safe`), else zero, and those steps' diagonal blocks
+      come first (:func:`clamped_diagonal` for 16-bit inputs, :func:`diagonal_levels`
+      for float32);
+    * columns of later blocks: zero.
 
-    * half: rows of sub-blocks 2-3 against columns of 0-1, through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``;
-    * quarter: blocks (1, 0) and (3, 2), through the row between them: ``exp(gP_i) exp(tot_J - gP_j)``;
-    * diagonal blocks: ``exp(gP_i) exp(-gP_j)`` (one product), when every sub-block's gate sum is above
-      -SAFE_EXP, so that ``exp(-gP_j)`` fits float32.
-
-    The other channel steps' diagonal blocks (strong decay, e.g. padding gates of -1000; not :func:`safe_step`)
-    are computed first (when the chunk has any such step) as the accumulators' starting values: for 16-bit inputs
-    (``PREC`` "tf32") one batched product per step through clamped gate steps (:func:`clamped_diagonal`), for
-    float32 inputs :func:`diagonal_levels`' products through reference rows, exact at any gate. ``exp(gP)`` and
-    ``exp(tot - gP)`` are the only full-tile exponentials of the first two: the links between sub-blocks are
-    per-channel vectors. Each product spans the whole chunk (operands are zero outside their rows, the diagonal
-    product is masked), so all are [BT, BKS] x [BKS, BT] tensor-core products. Returns the [BT, BT] float32 tiles
-    (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks the rest), as the other two paths do."""
+    Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks
+    the rest)."""
     tl.static_assert(BT == 4 * BC)
-    o_t = tl.arange(0, BT)
-    s = o_t // BC                                                          # [BT] sub-block of each row
-    s_r = s[:, None]                                                       # [BT, 1]
-    m_diag = (s[None, :] == s_r) & (o_t[:, None] >= o_t[None, :])          # [BT, BT] diagonal blocks, j <= i
-    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
-    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    NB: tl.constexpr = BT // BC
+    b_sq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_sk = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
         if PREC == "tf32":
-            b_aq, b_ak = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
+            b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC,
+                                          BLOCKED_STEP)
         else:
-            # 16 channels a step (not BKS): [BT, 16] tiles for the levels' eight products and four factor tiles
-            # (H200, 2026-12-03: strong decay's scores 2.961 -> 2.761 ms at 16x2048, other regimes unchanged).
-            # Strong or not is still decided per BKS-channel step, as the diagonal product below decides it.
-            b_aq, b_ak = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, BKS)
+            b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC,
+                                         BLOCKED_STEP)
+    b_aq = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    b_ak = tl.zeros([NB, BC, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
         b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
-        b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
-                         tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))          # [BT, BKS] tot of the row's block
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_rho = fast_exp(b_P)                      # [BT, BKS] exp(G_i - G_r), r: the row before i's sub-block
-        b_kap = tf32_operand(b_k * fast_exp(b_own - b_P), PREC)   # [BT, BKS] k_j exp(G_e - G_j), e: j's block end
-        # half: zero rows outside 2-3 (row operand) and 0-1 (column operand), so the product needs no mask
-        b_hr = tl.where(s_r == 3, fast_exp(b_t2)[None, :], tl.where(s_r == 2, 1.0, 0.0)) * b_rho
-        b_ct = tl.trans(tf32_operand(b_kap * tl.where(s_r == 0, fast_exp(b_t1)[None, :],
-                                                      tl.where(s_r == 1, 1.0, 0.0)), PREC))   # [BKS, BT]
-        b_aq = mm_rounded(tf32_operand(b_q * b_hr, PREC), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tf32_operand(b_k * b_hr, PREC), b_ct, b_ak, PREC)
-        # quarter: rows of 1 and 3 against columns of 0 and 2. Of the four blocks that product fills, (1, 2) is
-        # above the diagonal (dropped at the end) and (3, 0) is not this level's: a third product with the
-        # columns negated takes it out again, so nothing here is masked.
-        b_qr = tf32_operand(b_q * b_rho, PREC)
-        b_kr = tf32_operand(b_k * b_rho, PREC)
-        b_ct = tl.trans(tl.where((s_r % 2) == 0, b_kap, 0.0))                  # [BKS, BT]
-        b_ct3 = tl.trans(tl.where(s_r == 0, -b_kap, 0.0))                      # [BKS, BT]
-        b_aq = mm_rounded(tl.where((s_r % 2) == 1, b_qr, 0.0), b_ct, b_aq, PREC)
-        b_aq = mm_rounded(tl.where(s_r == 3, b_qr, 0.0), b_ct3, b_aq, PREC)
-        b_ak = mm_rounded(tl.where((s_r % 2) == 1, b_kr, 0.0), b_ct, b_ak, PREC)
-        b_ak = mm_rounded(tl.where(s_r == 3, b_kr, 0.0), b_ct3, b_ak, PREC)
-        if totals_safe(b_t0, b_t1, b_t2, b_t3):
-            # every |gP| < SAFE_EXP: exp(-gP_j) <= 1.2e26 fits, and the pairs kept (j <= i) are <= 1
-            b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_P), PREC))      # [BKS, BT]
-            b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-            b_aq += tl.where(m_diag, mm_rounded(b_qr, b_ct, b_zero, PREC), 0.0)
-            b_ak += tl.where(m_diag, mm_rounded(b_kr, b_ct, b_zero, PREC), 0.0)
-    return b_aq, b_ak
+        if BKS == 2 * BLOCKED_STEP:
+            # the loaded tiles in two 16-channel halves: the [NB, BT, 16] column operand keeps its registers
+            b_P0, b_P1 = channel_halves(b_P)
+            b_k0, b_k1 = channel_halves(b_k)
+            b_q0, b_q1 = channel_halves(b_q)
+            b_a0, b_a1 = vector_halves(b_t0)
+            b_b0, b_b1 = vector_halves(b_t1)
+            b_c0, b_c1 = vector_halves(b_t2)
+            b_d0, b_d1 = vector_halves(b_t3)
+            b_aq, b_ak = blocked_step(b_aq, b_ak, b_q0, b_k0, b_P0, b_a0, b_b0, b_c0, b_d0, BT, BC, PREC)
+            b_aq, b_ak = blocked_step(b_aq, b_ak, b_q1, b_k1, b_P1, b_a1, b_b1, b_c1, b_d1, BT, BC, PREC)
+        else:
+            b_aq, b_ak = blocked_step(b_aq, b_ak, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT, BC, PREC)
+    return tl.reshape(b_aq, [BT, BT]) + b_sq, tl.reshape(b_ak, [BT, BT]) + b_sk
 
 
 @triton.jit
@@ -336,7 +382,7 @@ def separable_scores(
     BKS: tl.constexpr, PREC: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """:func:`chunk_scores` for a chunk that :func:`chunk_separable` accepts (the common case): with
+    """The scores of a chunk that :func:`chunk_separable` accepts (the common case): with
     ``D_i = G_i - R`` (chunk_common.separable_exponent), ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel
     step is one product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs
     (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. ``TMA``
@@ -370,7 +416,7 @@ def halves_scores(
     BKS: tl.constexpr, PREC: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """:func:`chunk_scores` for a chunk whose every sub-block's gate sum is above -HALF_LIMIT
+    """The scores of a chunk whose every sub-block's gate sum is above -HALF_LIMIT
     (chunk_common.sub_blocks_bounded) but that is not separable as a whole: three products per channel step, each
     entry from exactly one of them (their operands are zero outside their rows and columns):
 
@@ -422,10 +468,10 @@ def chunk_kda_fwd_scores_kernel(
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
-    (the separable one in 168 registers a thread, the other near 255). ``HALVES``: of the others, those that
-    chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch, compiled beside the
-    255-register sub-block scheme; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), the
-    rest by the sub-block scheme; without it (float32 inputs) all by the sub-block scheme."""
+    (the separable one in 160 registers a thread, the other capped at 168). ``HALVES``: of the others, those that
+    chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch; a launch of their own
+    measured slower on the H200: 0.95 against 0.90 ms), the rest by :func:`blocked_scores`; without it (float32
+    inputs) all by :func:`blocked_scores`."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
@@ -444,8 +490,8 @@ def chunk_kda_fwd_scores_kernel(
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
-            b_aq, b_ak = chunk_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                      BK, d_q, d_k, d_gP, TMA)
+            b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
+                                        BK, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
