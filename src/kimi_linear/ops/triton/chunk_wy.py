@@ -324,9 +324,10 @@ def blocked_scores(
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and channel step,
-    each 16-row block I of rows against all BT columns ([NB, BC, BKS] x [NB, BKS, BT], the work of one [BT, BT]
-    product), with the reference of block I at the row r before it:
+    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and BLOCKED_STEP
+    channels (:func:`blocked_step`), each 16-row block I of rows against all BT columns ([NB, BC, 16] x
+    [NB, 16, BT], the work of one [BT, 16] x [16, BT] product), with the reference of block I at the row r before
+    it:
 
     * rows ``q_i exp(G_i - G_r) = q_i exp(gP_i)`` (<= 1);
     * columns of earlier blocks J < I: ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j) link(I, J)``
@@ -334,8 +335,8 @@ def blocked_scores(
       one does;
     * columns of block I itself (the diagonal blocks): ``k_j exp(-gP_j)`` on the channel steps where every
       sub-block's gate sum is above -SAFE_EXP (:func:`totals_safe`), else zero, and those steps' diagonal blocks
-      come first (:func:`clamped_diagonal` for 16-bit inputs, :func:`diagonal_levels`
-      for float32);
+      come first (:func:`clamped_diagonal` for 16-bit inputs, :func:`diagonal_levels` for float32), decided per
+      BLOCKED_STEP channels as here;
     * columns of later blocks: zero.
 
     Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks
