@@ -75,7 +75,8 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
 def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
     """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`blocked_scores` may take
     that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
-    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`diagonal_levels`."""
+    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`clamped_diagonal` (16-bit inputs) or
+    :func:`diagonal_levels` (float32)."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
     return totals_safe(b_t0, b_t1, b_t2, b_t3)
 
@@ -268,8 +269,8 @@ def link_tiles(b_t1, b_t2, NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr)
             * tl.where((s_c < 2) & (o_b > 2), b_e2, 1.0))
 
 
-# Channels per step of blocked_scores' products: its [NB, BT, step] column operand, and a launch step of 32 taken
-# as two halves split in registers. H100, 16 x 2048, strong decay (2026-12-05, bench/kda_ab.py, three rounds):
+# Channels per step of blocked_scores' products: its [NB, BT, step] column operand, a launch step of 32 (or more)
+# taken as two halves split in registers. H100, 16 x 2048, strong decay (2026-12-05, bench/kda_ab.py, three rounds):
 # scores 1.549 ms, against 1.903 with 32-channel products and 2.131 for the sub-block scheme it replaced (three
 # [64, 64] products a step); the by-halves path stays for chunks bounded per sub-block, where blocked_scores took
 # 1.093 ms against its 0.859 (K3's saturated gates); the other regimes within 0.02 ms
@@ -324,10 +325,10 @@ def blocked_scores(
     BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and BLOCKED_STEP
-    channels (:func:`blocked_step`), each 16-row block I of rows against all BT columns ([NB, BC, 16] x
-    [NB, 16, BT], the work of one [BT, 16] x [16, BT] product), with the reference of block I at the row r before
-    it:
+    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and step of
+    BLOCKED_STEP channels (:func:`blocked_step`; half the launch's BKS if that is larger), each 16-row block I of
+    rows against all BT columns ([NB, BC, 16] x [NB, 16, BT], the work of one [BT, 16] x [16, BT] product), with
+    the reference of block I at the row r before it:
 
     * rows ``q_i exp(G_i - G_r) = q_i exp(gP_i)`` (<= 1);
     * columns of earlier blocks J < I: ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j) link(I, J)``
@@ -336,22 +337,24 @@ def blocked_scores(
     * columns of block I itself (the diagonal blocks): ``k_j exp(-gP_j)`` on the channel steps where every
       sub-block's gate sum is above -SAFE_EXP (:func:`totals_safe`), else zero, and those steps' diagonal blocks
       come first (:func:`clamped_diagonal` for 16-bit inputs, :func:`diagonal_levels` for float32), decided per
-      BLOCKED_STEP channels as here;
+      product step as here;
     * columns of later blocks: zero.
 
     Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks
     the rest)."""
     tl.static_assert(BT == 4 * BC)
     NB: tl.constexpr = BT // BC
+    # the launch's tiles in two halves from 2 BLOCKED_STEP channels on; the strong diagonal is decided per product
+    # step (STEP), as each step's product decides its own diagonal blocks, so each channel's pairs come from one
+    HALF: tl.constexpr = BKS >= 2 * BLOCKED_STEP
+    STEP: tl.constexpr = BKS // 2 if HALF else BKS
     b_sq = tl.zeros([BT, BT], dtype=tl.float32)
     b_sk = tl.zeros([BT, BT], dtype=tl.float32)
     if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
         if PREC == "tf32":
-            b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC,
-                                          BLOCKED_STEP)
+            b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, STEP)
         else:
-            b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC,
-                                         BLOCKED_STEP)
+            b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, STEP)
     b_aq = tl.zeros([NB, BC, BT], dtype=tl.float32)
     b_ak = tl.zeros([NB, BC, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
@@ -360,8 +363,8 @@ def blocked_scores(
         b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        if BKS == 2 * BLOCKED_STEP:
-            # the loaded tiles in two 16-channel halves: the [NB, BT, 16] column operand keeps its registers
+        if HALF:
+            # the loaded tiles in two halves: the [NB, BT, STEP] column operand keeps its registers
             b_P0, b_P1 = channel_halves(b_P)
             b_k0, b_k1 = channel_halves(b_k)
             b_q0, b_q1 = channel_halves(b_q)
