@@ -484,6 +484,14 @@ def chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
+def own_totals(b_t0, b_t1, b_t2, b_t3, s):
+    """``tot`` of each row's own sub-block: [BT, BKS] from the four totals ([BKS] each) and ``s`` ([BT, 1], each
+    row's sub-block)."""
+    return tl.where(s == 0, b_t0[None, :], tl.where(s == 1, b_t1[None, :],
+                    tl.where(s == 2, b_t2[None, :], b_t3[None, :])))
+
+
+@triton.jit
 def gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr):
     """:func:`chunk_gate_terms` from a loaded gP tile ([BT, BKS]) and the four sub-block totals ([BKS] each)."""
     tl.static_assert(BT == 4 * BC)
@@ -491,8 +499,7 @@ def gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr):
     s = (o_t // BC)[:, None]                                                # [BT, 1] sub-block of each row
     b_before = (tl.where(s >= 1, b_t0[None, :], 0.0) + tl.where(s >= 2, b_t1[None, :], 0.0)
                 + tl.where(s >= 3, b_t2[None, :], 0.0))                      # [BT, BKS]
-    b_own = tl.where(s == 0, b_t0[None, :], tl.where(s == 1, b_t1[None, :],
-                     tl.where(s == 2, b_t2[None, :], b_t3[None, :])))       # [BT, BKS]
+    b_own = own_totals(b_t0, b_t1, b_t2, b_t3, s)                           # [BT, BKS]
     b_after = (tl.where(s <= 0, b_t1[None, :], 0.0) + tl.where(s <= 1, b_t2[None, :], 0.0)
                + tl.where(s <= 2, b_t3[None, :], 0.0))                       # [BT, BKS]
     b_G = b_P + b_before

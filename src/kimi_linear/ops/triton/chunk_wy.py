@@ -50,6 +50,7 @@ from .chunk_common import (
     load_rows,
     mm,
     mm_rounded,
+    own_totals,
     row_inv_norms,
     separable_exponent,
     separable_offset,
@@ -257,12 +258,11 @@ def clamped_diagonal(
 
 
 @triton.jit
-def link_tiles(b_t1, b_t2, NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``exp(G_r - G_e)`` for row block I (r: the row before it) and each earlier column block J (e: J's last row),
-    [NB, BT, BKS] (block I, column row j, channel), 1 where J >= I: the gate summed over the sub-blocks strictly
-    between J and I, which can only be 1 and 2. Products of per-channel factors <= 1, never a difference."""
-    o_b = tl.arange(0, NB)[:, None, None]                                   # [NB, 1, 1] row block I
-    s_c = (tl.arange(0, BT) // BC)[None, :, None]                           # [1, BT, 1] column block J
+def link_tiles(b_t1, b_t2, o_b, s_c):
+    """``exp(G_r - G_e)`` for row block I (r: the row before it, ``o_b`` [NB, 1, 1]) and each earlier column block J
+    (e: J's last row; ``s_c`` [1, BT, 1], each column's block), [NB, BT, BKS], 1 where J >= I: the gate summed over
+    the sub-blocks strictly between J and I, which can only be 1 and 2. Products of per-channel factors <= 1,
+    never a difference."""
     b_e1 = fast_exp(b_t1)[None, None, :]                                    # [1, 1, BKS]
     b_e2 = fast_exp(b_t2)[None, None, :]
     return (tl.where((s_c < 1) & (o_b > 1), b_e1, 1.0)
@@ -303,14 +303,13 @@ def blocked_step(b_aq, b_ak, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.const
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     o_b = tl.arange(0, NB)[:, None, None]                                  # [NB, 1, 1] row block I
     s_c = (o_t // BC)[None, :, None]                                       # [1, BT, 1] column block J
-    b_own = tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 1, b_t1[None, :],
-                     tl.where(s_r == 2, b_t2[None, :], b_t3[None, :])))    # [BT, W] tot of the row's block
+    b_own = own_totals(b_t0, b_t1, b_t2, b_t3, s_r)                        # [BT, W] tot of the row's block
     b_rho = fast_exp(b_P)                                                  # [BT, W] exp(G_i - G_r)
     b_kap = b_k * fast_exp(b_own - b_P)                                    # [BT, W] k_j exp(G_e - G_j)
     b_kd = tl.zeros([BT, W], dtype=tl.float32)
     if totals_safe(b_t0, b_t1, b_t2, b_t3):
         b_kd = b_k * fast_exp(-b_P)                                        # [BT, W] <= 1.2e26 |k_j|
-    b_col = tl.where(s_c < o_b, b_kap[None, :, :] * link_tiles(b_t1, b_t2, NB, BT, BC),
+    b_col = tl.where(s_c < o_b, b_kap[None, :, :] * link_tiles(b_t1, b_t2, o_b, s_c),
                      tl.where(s_c == o_b, b_kd[None, :, :], 0.0))          # [NB, BT, W]
     b_ct = tl.trans(tf32_operand(b_col, PREC), 0, 2, 1)                    # [NB, W, BT]
     b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, W]), b_ct, b_aq, PREC)
