@@ -470,3 +470,34 @@ def test_inverse_kept_only_for_a_backward():
             ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
             got = kept.Tm[0, t0:t0 + n, h, :n].double()
             assert (got - ref).abs().max() < 1e-5 * ref.abs().max(), (h, t0)
+
+
+@pytest.mark.parametrize("gate", ["in kernel", "caller's"])
+def test_akk_storage(gate):
+    """Akk is float16 for 16-bit inputs with l2norm and the gate formula in the kernels (|Akk| <= 1: float16's
+    11-bit significand matches the tf32 products that form it) and float32 for a caller's gate (which may rise);
+    either way every kept entry is within 2e-3 of the largest against float64."""
+    from kimi_linear.ops.gate import fused_kda_gate
+    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
+
+    T, K = 100, 32
+    x = make_inputs(B=1, T=T, H=1, K=K, V=16, raw=True, dtype=torch.bfloat16, seed=93)
+    A_log, dt_bias = torch.randn(1), torch.randn(K)
+    in_kernel = gate == "in kernel"
+    opts = KernelOptions(True, in_kernel, False, False, A_log if in_kernel else None, dt_bias if in_kernel else None)
+    g = x["g"] if in_kernel else fused_kda_gate(x["g"].float(), A_log, dt_bias).to(torch.bfloat16)
+    p = Problem(x["q"], x["v"], None, opts, LaunchConfig())
+    pc = forward_pieces(p, x["q"], x["k"], x["v"], g, x["beta"], None, False)
+    assert pc.Akk.dtype == (torch.float16 if in_kernel else torch.float32)
+    k = torch.nn.functional.normalize(x["k"][0, :, 0].double(), dim=-1)
+    G = (fused_kda_gate(x["g"].float(), A_log, dt_bias) if in_kernel else g).double()[0, :, 0]
+    err, top = 0.0, 0.0
+    for t0 in range(0, T, 64):
+        r = slice(t0, min(t0 + 64, T))
+        Gc = G[r].cumsum(0)
+        n = len(Gc)
+        low = torch.ones(n, n, dtype=torch.bool).tril(-1)[:, :, None]
+        ref = torch.einsum("ic,jc,ijc->ij", k[r], k[r], torch.exp(torch.where(low, Gc[:, None] - Gc[None, :], -1e9)))
+        got = pc.Akk[0, r, 0, :n].double().tril(-1)
+        err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
+    assert err < 2e-3 * top, (err, top)

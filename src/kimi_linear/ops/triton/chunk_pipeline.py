@@ -58,13 +58,16 @@ class LaunchConfig:
     # more shared memory than the card has). H200, 2026-12-01, scores kernel ms at 16 x 2048 softplus /
     # lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without them (by the sub-block scheme of then) and 0.95 / 0.72
     # in a launch of their own. (Not a setting.)
-    # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (640 bytes per token
-    # and value head against the inputs' ~1 KiB at K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which
-    # then skips the scores and the inverse (about 3 ms of 20 in the H200 benchmark). False: recompute everything
+    # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (512 bytes per token
+    # and value head with bf16 inputs, l2norm and the gate in the kernels, else 640, against the inputs' ~1 KiB at
+    # K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which then skips the scores and the inverse
+    # (about 3 ms of 20 in the H200 benchmark). False: recompute everything
     keep_scores: bool = True
     # With keep_scores, also the gate sums and the WY factors (gP float32, w, u, qg, kg in the storage dtype:
     # 1.5 KiB more per token and value head at K=V=128 in bf16), so that the backward skips the prepare and WY
-    # kernels. Not measured yet; chunk_kda's disable_recompute=True (fla's name for this trade) turns it on
+    # kernels: H100, 16 x 2048 (2026-12-05), forward + backward -1.3 to -1.4 ms (-9%) in every gate regime, the
+    # forward unchanged. Off by default for its memory; chunk_kda's disable_recompute=True (fla's name for this
+    # trade) turns it on
     keep_factors: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
@@ -201,9 +204,10 @@ class Factors:
 @dataclass
 class Kept:
     """What the forward keeps for the backward with ``LaunchConfig(keep_scores=True)`` (as fla keeps its Aqk and
-    inverse): per token and value head the 64 scores Aqk (storage dtype), Akk and the inverse Tm (float32 each),
-    and the l2norm row factors. The backward then recomputes only gP, the WY factors and the states, or only the
-    states when ``factors`` are kept too (``disable_recompute``)."""
+    inverse): per token and value head the 64 scores Aqk (storage dtype), Akk (float16 for 16-bit inputs with
+    l2norm and the gate in the kernels, else float32) and the inverse Tm (float32), and the l2norm row factors.
+    The backward then recomputes only gP, the WY factors and the states, or only the states when ``factors`` are
+    kept too (``disable_recompute``)."""
 
     Aqk: torch.Tensor
     Akk: torch.Tensor
@@ -363,7 +367,11 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         gP, w, u, qg, kg, decay = factors.tensors()
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
-        Akk = p.empty(B, T, HV, BT)
+        # 16-bit inputs, l2norm and the gate formula in the kernels (log decays <= 0): |Akk| <= 1, and its tf32
+        # products carry 2^-11 relative rounding already, so float16 (11-bit significand) loses no more than half
+        # that and halves the bytes the inverse reads. (A caller's own gate may rise, and Akk then exceed 65504.)
+        half_akk = p.prec == "tf32" and use_l2 and opts.use_gate_in_kernel
+        Akk = p.empty(B, T, HV, BT, dtype=torch.float16 if half_akk else torch.float32)
         Tm = p.empty(B, T, HV, BT) if keep or scale is None else None
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
