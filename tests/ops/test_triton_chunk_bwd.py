@@ -162,8 +162,9 @@ def test_score_gradient_paths(case):
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("case", ["bf16 options", "varlen float32"])
 def test_kept_and_recomputed_scores(case, keep, monkeypatch):
-    """``LaunchConfig(keep_scores=...)``: the backward from the forward's kept Aqk, Akk, inverse and l2norm factors
-    (the default), or recomputing them; both against the reference, and the kept tensors are really saved."""
+    """``LaunchConfig(keep_scores=...)``: the backward from the forward's kept Aqk, Akk, inverse, l2norm factors and
+    gate sums (the default), or recomputing them; both against the reference, and the kept tensors are really
+    saved."""
     import kimi_linear.ops.triton.chunk as tri_chunk
     from kimi_linear.ops.triton.chunk_pipeline import LaunchConfig
 
@@ -176,8 +177,8 @@ def test_kept_and_recomputed_scores(case, keep, monkeypatch):
         o, _ = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                          initial_state=leaves["initial_state"], **opts.kwargs())
         saved = [t for t in o.grad_fn.saved_tensors if t is not None]
-        # q k v g beta h0 A_log dt_bias (+ Aqk Akk Tm rq rk when kept)
-        assert len(saved) == (13 if keep else 8)
+        # q k v g beta h0 A_log dt_bias (+ Aqk Akk Tm rq rk gP when kept)
+        assert len(saved) == (14 if keep else 8)
     else:
         check(make_inputs(B=1, T=90, H=1, K=32, V=16, N=5, seed=55), cu_seqlens=torch.tensor([0, 1, 1, 70, 71, 90]))
 
@@ -366,8 +367,9 @@ class LaunchCounter:
 
 @pytest.mark.parametrize("case", ["bf16 options", "varlen float32"])
 def test_disable_recompute_keeps_the_factors(case, monkeypatch):
-    """fla's ``disable_recompute=True`` (``LaunchConfig.keep_factors``): the forward keeps its gate sums and WY
-    factors (six more saved tensors), the backward launches neither the prepare nor the WY kernel, and every
+    """fla's ``disable_recompute=True`` (``LaunchConfig.keep_factors``): the forward keeps its WY factors (five
+    more saved tensors), the backward launches no WY kernel (and, the gate sums kept either way, no prepare
+    kernel), and every
     gradient has the same bits as with the recomputation (under the interpreter; on the GPU the WY kernel's forward
     and recompute variants are compiled apart and may round differently in the last bit)."""
     from kimi_linear.ops.triton import chunk_pipeline
@@ -400,8 +402,8 @@ def test_disable_recompute_keeps_the_factors(case, monkeypatch):
 
     got, n_got, launches_got = grads(True)
     want, n_want, launches_want = grads(False)
-    assert n_got == n_want + 6
+    assert n_got == n_want + 5
     assert launches_got == {"chunk_kda_prepare_kernel": 0, "chunk_kda_fwd_wy_kernel": 0}
-    assert launches_want == {"chunk_kda_prepare_kernel": 1, "chunk_kda_fwd_wy_kernel": 1}
+    assert launches_want == {"chunk_kda_prepare_kernel": 0, "chunk_kda_fwd_wy_kernel": 1}
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -113,8 +113,8 @@ def chunk_kda(
     disable_recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton ``chunk_kda``: same contract as :func:`kimi_linear.ops.chunk_kda` (inputs validated there).
-    ``disable_recompute`` (fla's option) runs ``LaunchConfig.keep_factors``: the forward also keeps its gate sums
-    and WY factors, and the backward skips recomputing them."""
+    ``disable_recompute`` (fla's option) runs ``LaunchConfig.keep_factors``: the forward also keeps its WY
+    factors, and the backward skips recomputing them."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     scale = K ** -0.5 if scale is None else scale

@@ -8,11 +8,11 @@ Forward (docs/kda.md §4-6), each kernel with a bounded working set:
     (e) chunk_state.py    the state scan: per chunk vn = u - w h and o = scale (qg h + Aqk vn), final state
 
 Backward: recompute (a)-(e), the scan storing h per chunk and vn instead of forming o (in training,
-:class:`Kept`: the forward's score matrices and inverse are kept, as fla keeps its own, so (b) and (c) are skipped;
-the per-chunk states are never kept), the reverse state scan (chunk_state.py), then five per-chunk kernels
-(chunk_bwd.py): products with the states and the WY factors' key side, the inverse and value side, the score
-matrices (per 16-row sub-block; optionally separable chunks whole), the gate's cumulative sum and formula, and q/k
-(GVA sum, l2norm).
+:class:`Kept`: the forward's gate sums, score matrices and inverse are kept, as fla keeps its own, so (a), (b) and
+(c) are skipped; the per-chunk states are never kept), the reverse state scan (chunk_state.py), then five per-chunk
+kernels (chunk_bwd.py): products with the states and the WY factors' key side, the inverse and value side, the
+score matrices (per 16-row sub-block; optionally separable chunks whole), the gate's cumulative sum and formula,
+and q/k (GVA sum, l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
 bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``
@@ -58,16 +58,17 @@ class LaunchConfig:
     # more shared memory than the card has). H200, 2026-12-01, scores kernel ms at 16 x 2048 softplus /
     # lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without them (by the sub-block scheme of then) and 0.95 / 0.72
     # in a launch of their own. (Not a setting.)
-    # Training: the forward keeps Aqk, Akk, the inverse and the l2norm factors for the backward (512 bytes per token
-    # and value head with bf16 inputs, l2norm and the gate in the kernels, else 640, against the inputs' ~1 KiB at
-    # K=V=128; fla keeps Aqk and its inverse in bf16, 256 bytes), which then skips the scores and the inverse
-    # (about 3 ms of 20 in the H200 benchmark). False: recompute everything
+    # Training: the forward keeps the gate sums gP, Aqk, Akk, the inverse and the l2norm factors for the backward
+    # (1,032 bytes per token and value head at K=V=128 with bf16 inputs, l2norm and the gate in the kernels, else
+    # 1,160; the inputs are ~1 KiB; fla keeps its float32 gate sums, Aqk and its inverse in bf16 and l2-normalised
+    # copies of q and k, ~1.3 KiB), which then skips the prepare, the scores and the inverse (H100, 16 x 2048: the
+    # prepare alone 0.28 ms of ~14.5). False: recompute everything
     keep_scores: bool = True
-    # With keep_scores, also the gate sums and the WY factors (gP float32, w, u, qg, kg in the storage dtype:
-    # 1.5 KiB more per token and value head at K=V=128 in bf16), so that the backward skips the prepare and WY
-    # kernels: H100, 16 x 2048 (2026-12-05), forward + backward -1.3 to -1.4 ms (-9%) in every gate regime, the
-    # forward unchanged. Off by default for its memory; chunk_kda's disable_recompute=True (fla's name for this
-    # trade) turns it on
+    # With keep_scores, also the WY factors (w, u, qg, kg in the storage dtype: 1 KiB more per token and value head
+    # at K=V=128 in bf16), so that the backward skips the WY kernel: H100, 16 x 2048 (2026-12-05), forward +
+    # backward -1.3 to -1.4 ms (-9%) in every gate regime with the gate sums kept here too (the WY recompute 1.05
+    # ms of it), the forward unchanged. Off by default for its memory; chunk_kda's disable_recompute=True (fla's
+    # name for this trade) turns it on
     keep_factors: bool = False
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
@@ -186,11 +187,9 @@ def varlen_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 @dataclass
 class Factors:
-    """The gate sums and the WY factors, kept by a forward with ``disable_recompute`` (fla's option: memory for
-    the backward's time): per token and value head gP (float32, K), w, qg, kg (K each) and u (V) in the storage
-    dtype, and the per-chunk decay."""
+    """The WY factors, kept by a forward with ``disable_recompute`` (fla's option: memory for the backward's
+    time): per token and value head w, qg, kg (K each) and u (V) in the storage dtype, and the per-chunk decay."""
 
-    gP: torch.Tensor
     w: torch.Tensor
     u: torch.Tensor
     qg: torch.Tensor
@@ -198,33 +197,35 @@ class Factors:
     decay: torch.Tensor
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.gP, self.w, self.u, self.qg, self.kg, self.decay
+        return self.w, self.u, self.qg, self.kg, self.decay
 
 
 @dataclass
 class Kept:
-    """What the forward keeps for the backward with ``LaunchConfig(keep_scores=True)`` (as fla keeps its Aqk and
-    inverse): per token and value head the 64 scores Aqk (storage dtype), Akk (float16 for 16-bit inputs with
-    l2norm and the gate in the kernels, else float32) and the inverse Tm (float32), and the l2norm row factors.
-    The backward then recomputes only gP, the WY factors and the states, or only the states when ``factors`` are
-    kept too (``disable_recompute``)."""
+    """What the forward keeps for the backward with ``LaunchConfig(keep_scores=True)`` (as fla keeps its gate sums,
+    Aqk and inverse): per token and value head the 64 scores Aqk (storage dtype), Akk (float16 for 16-bit inputs
+    with l2norm and the gate in the kernels, else float32) and the inverse Tm (float32), the l2norm row factors,
+    and the gate sums gP (float32, K). The backward then recomputes only the WY factors and the states, or only
+    the states when ``factors`` are kept too (``disable_recompute``)."""
 
     Aqk: torch.Tensor
     Akk: torch.Tensor
     Tm: torch.Tensor
     rq: torch.Tensor | None
     rk: torch.Tensor | None
+    gP: torch.Tensor
     factors: Factors | None = None
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """Every kept tensor in a flat tuple (autograd's saved tensors); :meth:`from_tensors` reads it back."""
-        return (self.Aqk, self.Akk, self.Tm, self.rq, self.rk) + (self.factors.tensors() if self.factors else ())
+        own = (self.Aqk, self.Akk, self.Tm, self.rq, self.rk, self.gP)
+        return own + (self.factors.tensors() if self.factors else ())
 
     @classmethod
     def from_tensors(cls, tensors) -> Kept:
         tensors = list(tensors)
-        factors = Factors(*tensors[5:]) if len(tensors) > 5 else None
-        return cls(*tensors[:5], factors=factors)
+        factors = Factors(*tensors[6:]) if len(tensors) > 6 else None
+        return cls(*tensors[:6], factors=factors)
 
 
 @dataclass
@@ -341,11 +342,12 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
                    kept: Kept | None = None, scale: float | None = None, keep: bool = True) -> Pieces:
     """Kernels (a)-(e) on contiguous inputs; with ``kept`` (the backward, LaunchConfig.keep_scores) the score
-    matrices, the inverse and the l2norm factors come from the forward, and (a) and (d) recompute the rest. With
+    matrices, the inverse, the l2norm factors and the gate sums come from the forward, and (d) recomputes the WY
+    factors. With
     ``scale`` (the forward) the scan forms the output ``Pieces.o`` and stores neither the per-chunk states nor vn;
     without it (the backward's recompute) it stores both for the gradient kernels. ``keep=False`` (a forward no
-    backward follows) leaves the inverse in registers: ``Pieces.Tm`` is then None. With ``kept.factors`` the gate
-    sums and the WY factors come from the forward too, and only (e) runs."""
+    backward follows) leaves the inverse in registers: ``Pieces.Tm`` is then None. With ``kept.factors`` the WY
+    factors come from the forward too, and only (e) runs."""
     B, T, H, HV, K, V, NT, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.NT, p.cfg, p.opts
     use_l2 = opts.use_qk_l2norm_in_kernel
     norms = use_l2 and kept is None                                    # rq, rk written by the scores kernel
@@ -353,18 +355,21 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     rq = p.empty(B, T, H) if norms else (kept.rq if kept is not None else None)
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
-    if factors is None:
+    if kept is None:
         gP = p.empty(B, T, HV, K)
         chunk_kda_prepare_kernel[p.grid(1, HV)](
             g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
             HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
             num_warps=4,
         )
+    else:
+        gP = kept.gP
+    if factors is None:
         w, qg, kg = (p.empty(B, T, HV, K, dtype=p.sdt) for _ in range(3))
         u = p.empty(B, T, HV, V, dtype=p.sdt)
         decay = p.empty(max(NT, 1), HV, K)
     else:
-        gP, w, u, qg, kg, decay = factors.tensors()
+        w, u, qg, kg, decay = factors.tensors()
     if kept is None:
         Aqk = p.empty(B, T, HV, BT, dtype=p.sdt)
         # 16-bit inputs, l2norm and the gate formula in the kernels (log decays <= 0): |Akk| <= 1, and its tf32
@@ -433,7 +438,7 @@ def chunk_kda_fwd_keeping(
     cu_seqlens: torch.Tensor | None, cfg: LaunchConfig = DEFAULT_CONFIG, keep: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Kept | None]:
     """:func:`chunk_kda_fwd_pipeline` and what the backward may keep of it (:class:`Kept`; None when empty or
-    without ``keep``; with ``cfg.keep_factors`` the gate sums and WY factors too, :class:`Factors`)."""
+    without ``keep``; with ``cfg.keep_factors`` the WY factors too, :class:`Factors`)."""
     p = Problem(q, v, cu_seqlens, opts, cfg)
     if p.T == 0 or p.NT == 0:
         o = torch.zeros(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
@@ -445,8 +450,8 @@ def chunk_kda_fwd_keeping(
     x = forward_pieces(p, q, k, v, g, beta, initial_state, output_final_state, scale=scale, keep=keep)
     if not keep:
         return x.o, x.ht, None
-    factors = Factors(x.gP, x.w, x.u, x.qg, x.kg, x.decay) if cfg.keep_factors else None
-    return x.o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk, factors)
+    factors = Factors(x.w, x.u, x.qg, x.kg, x.decay) if cfg.keep_factors else None
+    return x.o, x.ht, Kept(x.Aqk, x.Akk, x.Tm, x.rq, x.rk, x.gP, factors)
 
 
 @dataclass
