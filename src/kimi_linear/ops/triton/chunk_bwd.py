@@ -475,6 +475,26 @@ def separable_grads(
     store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 
+@triton.jit
+def row_halves(b_x):
+    """[R, C] -> its first and second R / 2 rows, [R / 2, C] each (a register split, no memory)."""
+    R: tl.constexpr = b_x.shape[0]
+    C: tl.constexpr = b_x.shape[1]
+    return tl.split(tl.permute(tl.reshape(b_x, [2, R // 2, C]), (1, 2, 0)))
+
+
+@triton.jit
+def cross_of(b_a, ROWS: tl.constexpr):
+    """The part across the halves of a [BT, BT] tile: with ``ROWS`` (dA) columns 0-31 on rows 32-63, else
+    (dA^T) columns 32-63 on rows 0-31; [BT, BT / 2], zero on the other rows."""
+    BT: tl.constexpr = b_a.shape[0]
+    b_l, b_r = tl.split(tl.permute(tl.reshape(b_a, [BT, 2, BT // 2]), (0, 2, 1)))
+    o_t = tl.arange(0, BT)
+    if ROWS:
+        return tl.where((o_t >= BT // 2)[:, None], b_l, 0.0)
+    return tl.where((o_t < BT // 2)[:, None], b_r, 0.0)
+
+
 @triton.jit(noinline=True)
 def halves_grads(
     q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_h, i_hv,
@@ -492,9 +512,12 @@ def halves_grads(
         dk_cols = (dAq_h^T (q E) + dAk_h^T (k E)) / E + F (dAq_x^T (q F) + dAk_x^T (k F))
         dG = q dq + k (dk_rows - dk_cols)
 
-    eight [BT, BT] x [BT, BK] products in one program, where the sub-block scheme takes four programs a chunk (each
-    loading the chunk's rows again) and, on sub-blocks past -SAFE_EXP, the diagonal levels. Aqk's diagonal is added
-    in float32 beside the products, as in :func:`separable_grads`; dG is formed from the rounded operands."""
+    in one program, where the sub-block scheme takes four programs a chunk (each loading the chunk's rows again)
+    and, on sub-blocks past -SAFE_EXP, the diagonal levels: the three within-half products as [BT, BT] x [BT, BK]
+    on dA masked to the halves, the four across the halves as [BT, BT / 2] x [BT / 2, BK] (dA_x fills a quarter
+    of the matrix, so they reduce over one half: :func:`cross_of`, :func:`row_halves`), the work of five full
+    products where masked full ones took eight. Aqk's diagonal is added in float32 beside the products, as in
+    :func:`separable_grads`; dG is formed from the rounded operands."""
     o_k = i_k * BK + tl.arange(0, BK)
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                          # [BT, 1] sub-block of each row
@@ -515,16 +538,18 @@ def halves_grads(
     # (the same numbers), so that few [BT, BK] tiles stay live.
     b_kc = tf32_operand(b_k * b_iE, PREC)                               # [BT, BK] same-half columns
     b_kF = tf32_operand(b_k * b_F, PREC)                                # [BT, BK] columns (and rows) across
+    b_kF0, _ = row_halves(b_kF)                                        # [BT / 2, BK] rows 0-31 of b_kF
     b_dA = tf32_operand(load_lower(dAqk, bos, t0, T_n, i_hv, HV, BT, False), PREC)    # [BT, BT]
     b_rh = mm_rounded(tl.where(m_x, 0.0, b_dA), b_kc, tl.zeros_like(b_kc), PREC)      # [BT, BK] dAq_h (k / E)
-    b_rx = mm_rounded(tl.where(m_x, b_dA, 0.0), b_kF, tl.zeros_like(b_kc), PREC)      # dAq_x (k F)
+    b_rx = mm_rounded(cross_of(b_dA, True), b_kF0, tl.zeros_like(b_kc), PREC)
+    # b_rx: [BT, BK] dAq_x (k F), zero on rows 0-31
     b_dG = (tf32_operand(b_q * b_E, PREC) * b_rh + tf32_operand(b_q * b_F, PREC) * b_rx
             + load_rows(dg_p, bos, t0, T_n, i_hv, HV, K, o_k, BT))
     b_dq = b_E * b_rh + b_F * b_rx + b_d[:, None] * b_k + load_rows(dq_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dq_p, b_dq, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     b_dA = tf32_operand(load_lower(dAkk, bos, t0, T_n, i_hv, HV, BT, False), PREC)
     b_rh = mm_rounded(tl.where(m_x, 0.0, b_dA), b_kc, tl.zeros_like(b_kc), PREC)      # dAk_h (k / E)
-    b_rx = mm_rounded(tl.where(m_x, b_dA, 0.0), b_kF, tl.zeros_like(b_kc), PREC)      # dAk_x (k F)
+    b_rx = mm_rounded(cross_of(b_dA, True), b_kF0, tl.zeros_like(b_kc), PREC)
     b_dG += tf32_operand(b_k * b_E, PREC) * b_rh + b_kF * b_rx
     b_dk = b_E * b_rh + b_F * b_rx + b_d[:, None] * b_q
     m_xt = tl.trans(m_x)
@@ -534,9 +559,11 @@ def halves_grads(
     b_kE = tf32_operand(b_k * b_E, PREC)
     b_rh = mm_rounded(tl.where(m_xt, 0.0, b_dAk), b_kE, mm_rounded(tl.where(m_xt, 0.0, b_dAq), b_qE,
                                                                     tl.zeros_like(b_kc), PREC), PREC)
-    b_qF = tf32_operand(b_q * b_F, PREC)
-    b_rx = mm_rounded(tl.where(m_xt, b_dAk, 0.0), b_kF, mm_rounded(tl.where(m_xt, b_dAq, 0.0), b_qF,
-                                                                    tl.zeros_like(b_kc), PREC), PREC)
+    _, b_kF1 = row_halves(b_kF)                                        # [BT / 2, BK] rows 32-63
+    _, b_qF1 = row_halves(tf32_operand(b_q * b_F, PREC))
+    b_rx = mm_rounded(cross_of(b_dAk, False), b_kF1,
+                      mm_rounded(cross_of(b_dAq, False), b_qF1,
+                                 tl.zeros_like(b_kc), PREC), PREC)      # [BT, BK], zero on rows 32-63
     b_dG -= b_kc * b_rh + b_kF * b_rx
     b_dk += b_iE * b_rh + b_F * b_rx + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
