@@ -54,6 +54,7 @@ from .chunk_common import (
     load_state,
     mm,
     mm_rounded,
+    row_halves,
     separable_exponent,
     store_rows,
     sub_block_total,
@@ -473,14 +474,6 @@ def separable_grads(
     b_dk += b_dkc + load_rows(dk_p, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dk_p, b_dk, bos, t0, T_n, i_hv, HV, K, o_k, BT)
     store_rows(dg_p, b_dG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-
-
-@triton.jit
-def row_halves(b_x):
-    """[R, C] -> its first and second R / 2 rows, [R / 2, C] each (a register split, no memory)."""
-    R: tl.constexpr = b_x.shape[0]
-    C: tl.constexpr = b_x.shape[1]
-    return tl.split(tl.permute(tl.reshape(b_x, [2, R // 2, C]), (1, 2, 0)))
 
 
 @triton.jit

@@ -100,6 +100,14 @@ def mm_rounded(b_a, b_b, b_acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def row_halves(b_x):
+    """[R, C] -> its first and second R / 2 rows, [R / 2, C] each (a register split, no memory)."""
+    R: tl.constexpr = b_x.shape[0]
+    C: tl.constexpr = b_x.shape[1]
+    return tl.split(tl.permute(tl.reshape(b_x, [2, R // 2, C]), (1, 2, 0)))
+
+
+@triton.jit
 def grid_coords(NB: tl.constexpr, NH: tl.constexpr):
     """(i_c, i_b, i_h) of this program: flat chunk, block (of key or value columns; 0 where NB == 1) and head, in
     the one-dimensional grid of chunk_pipeline.Problem.grid. The GPU starts programs in grid order, fastest index
