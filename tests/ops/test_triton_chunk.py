@@ -339,10 +339,12 @@ def test_clamped_diagonal_at_the_clamp():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
-    """The reference-row levels (chunk_wy.diagonal_levels) for every channel step of every chunk of the blocked
-    scheme, mild channels included (chunk_common.SAFE_EXP forced to -1): there every pair of a diagonal block has a
-    factor that matters, so each level's pairs and masks are checked, not only the pairs next to the diagonal that
-    strong decay leaves. Must match the reference as closely as the fast product does."""
+    """The diagonal pass of the blocked scheme (chunk_wy.diagonal_levels for float32, clamped_diagonal for bf16)
+    takes every channel step, mild channels included (head 0 mixes mild and strong channels; head 1 falls by about
+    48 a sub-block, blocked in float32, by halves in bf16): there every pair of a diagonal block has a factor that
+    matters, so each level's pairs and masks are checked, not only the pairs next to the diagonal that strong decay
+    leaves. Must match the reference as closely as the fast product does. (force_levels sends the score
+    gradients' diagonal blocks the same way.)"""
     force_levels(monkeypatch)
     x = mixed_gates(make_inputs(B=1, T=130, H=1, HV=2, K=64, V=16, dtype=dtype, seed=67), seed=68)
     g = x["g"].double()

@@ -7,12 +7,11 @@
 as [BT, BKS] x [BKS, BT] tensor-core products per channel step. Two launches: chunks whose gate falls by less than
 HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step
 (:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
-sub-block take three products by halves (:func:`halves_scores`), and the rest one batched product of the same
-work, each 16-row block of rows against every column with factors all <= 1, linked between blocks by per-channel
-vectors (:func:`blocked_scores`), so nothing overflows at any gate. Their diagonal blocks use
-``exp(gP_i) exp(-gP_j)`` (in that product) on the channel steps where every sub-block's gate sum is above
--SAFE_EXP, else (strong decay, e.g. padding gates of -1000) one batched product through gate steps clamped
-at -DIAG_CLAMP for 16-bit inputs (:func:`clamped_diagonal`), or for float32 ``exp(gP_i - gP_r) exp(gP_r - gP_j)``
+sub-block go by halves (:func:`halves_scores`), and the rest by column blocks (:func:`blocked_scores`): each
+16-row block of columns against the rows after it, with factors all <= 1 linked between blocks by per-channel
+vectors, so nothing overflows at any gate. Their diagonal blocks take a pass of their own: one batched product
+through gate steps clamped at -DIAG_CLAMP for 16-bit inputs (:func:`clamped_diagonal`; strong decay, e.g.
+padding gates of -1000, included), or for float32 ``exp(gP_i - gP_r) exp(gP_r - gP_j)``
 through a reference row r between j and i, both factors <= 1, in two batched products per matrix (one per level
 of 16 and 8 rows, over the four sub-blocks at once), and the pairs inside 4-row blocks elementwise
 (:func:`diagonal_levels`). With l2norm the paths run on raw q and k and :func:`finish_scores` applies (and stores)
@@ -33,7 +32,6 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
-    SAFE_EXP,
     block_of,
     chunk_coords,
     chunk_gate_terms,
@@ -71,23 +69,6 @@ def store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV: tl.constexpr, BT:
     o_t = tl.arange(0, BT)
     store_rows(Aqk, tl.where(o_t[:, None] >= o_t[None, :], b_aq, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
     store_rows(Akk, tl.where(o_t[:, None] > o_t[None, :], b_ak, 0.0), bos, t0, T_n, i_hv, HV, BT, o_t, BT)
-
-
-@triton.jit
-def safe_step(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, BC: tl.constexpr):
-    """Whether every sub-block's gate sum at channels o_k is above -SAFE_EXP, so that :func:`blocked_scores` may take
-    that channel step's diagonal blocks as ``exp(gP_i) exp(-gP_j)``; the other steps ("strong": e.g. padding gates
-    of -1000, where ``exp(-gP_j)`` overflows) go through :func:`clamped_diagonal` (16-bit inputs) or
-    :func:`diagonal_levels` (float32)."""
-    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [len(o_k)] x4
-    return totals_safe(b_t0, b_t1, b_t2, b_t3)
-
-
-@triton.jit
-def totals_safe(b_t0, b_t1, b_t2, b_t3):
-    """:func:`safe_step`'s test on the four sub-block totals of a channel step (one test for both the diagonal
-    product of :func:`blocked_scores` and :func:`diagonal_levels`, so each channel's pairs come from exactly one)."""
-    return tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) > -SAFE_EXP
 
 
 @triton.jit
@@ -160,17 +141,12 @@ def block_diagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, o_k, c0, STEP: tl.constexpr):
-    """A strong-diagonal pass's tiles at channels o_k: gP, and k and q as float32, [BT, len(o_k)] each; k and q are
-    zero unless the step is strong as :func:`blocked_scores` decides it, by its channel step (STEP channels) holding
-    o_k. A mild step's q and k are zeroed rather than branched around: with every load of the step unconditional,
-    they all issue at once, where a branch on the totals made each step wait for two dependent rounds of loads
-    (H200, 16 x 2048 strong decay: scores 2.73 -> 2.61 ms, other regimes unchanged)."""
-    strong = not safe_step(gP, bos, t0, T_n, i_hv, HV, K, (c0 // STEP) * STEP + tl.arange(0, STEP), BC)
+def diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                        BT: tl.constexpr, o_k):
+    """A diagonal pass's tiles at channels o_k: gP, and k and q as float32, [BT, len(o_k)] each."""
     b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    b_k = tl.where(strong, load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)
-    b_q = tl.where(strong, load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32), 0.0)
+    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)
+    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32)
     return b_P, b_k, b_q
 
 
@@ -178,11 +154,11 @@ def strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl
 def diagonal_levels(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, STEP: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`: strong
-    decay, e.g. padding gates of -1000), for any gate: [BT, BT] float32 tiles, zero off the diagonal blocks and
-    above the diagonal (and on it for Akk).
+    """The diagonal 16x16 blocks of (Aqk, Akk) of a chunk :func:`blocked_scores` takes, float32 inputs, exact at
+    any gate (e.g. padding gates of -1000): [BT, BT] float32 tiles, zero off the diagonal blocks and above the
+    diagonal (and on it for Akk).
 
     Every pair j < i of a block that crosses a 4-row boundary is covered by exactly one level S = 16, 8 (the same
     S-row block, i in its upper half, j in its lower half: chunk_common.level_pairs) and factored through the last
@@ -209,7 +185,7 @@ def diagonal_levels(
     b_d = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_P, b_k, b_q = strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, o_k, c0, STEP)
+        b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
         b_d += tl.sum(b_q * b_k, 1)
         for D in tl.static_range(1, NEAR):
             b_aj, b_kj = near_pairs(b_q, b_k, b_P, k, gP, bos, t0, T_n, i_h, i_hv, o_k, H, HV, K, BT, D, NEAR)
@@ -231,23 +207,22 @@ def diagonal_levels(
 def clamped_diagonal(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, STEP: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """The diagonal 16x16 blocks of (Aqk, Akk) summed over the strong channel steps (not :func:`safe_step`), 16-bit
-    inputs: per matrix and step one batched product over the chunk's four sub-blocks ([NB, BC, BKS] x
-    [NB, BKS, BC], a quarter of a [BT, BT] product's work) through :func:`clamped_diagonal_factors`. Returns
-    [BT, BT] float32 tiles, zero off the diagonal blocks and above the diagonal. A loop of its own before the
-    chunk's other products, as :func:`diagonal_levels` is for float32, so that the main loop keeps its registers
-    (its tiles: :func:`strong_step_tiles`). BKS = 16 channels a step, strong or not decided per STEP-channel step
-    of the main loop (H100, 16 x 2048, strong decay: scores 2.21 ms against 2.34 with 32-channel steps and 2.46
-    with the reference-row levels)."""
+    """The diagonal 16x16 blocks of (Aqk, Akk) of a chunk :func:`blocked_scores` takes, 16-bit inputs: per matrix
+    and step one batched product over the chunk's four sub-blocks ([NB, BC, BKS] x [NB, BKS, BC], a quarter of a
+    [BT, BT] product's work) through :func:`clamped_diagonal_factors`. Returns [BT, BT] float32 tiles, zero off the
+    diagonal blocks and above the diagonal. A loop of its own after the chunk's other products, as
+    :func:`diagonal_levels` is for float32, so that neither loop holds the other's tiles. BKS = 16 channels a step
+    (H100, 16 x 2048, strong decay: scores 2.21 ms against 2.34 with 32-channel steps and 2.46 with the
+    reference-row levels, in the sub-block scheme of then)."""
     NB: tl.constexpr = BT // BC
     o_i = tl.arange(0, BC)
     b_aq = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_ak = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        b_P, b_k, b_q = strong_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, o_k, c0, STEP)
+        b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
         b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
         b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
         b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
@@ -259,15 +234,41 @@ def clamped_diagonal(
 
 
 @triton.jit
-def link_tiles(b_t1, b_t2, o_b, s_c):
-    """``exp(G_r - G_e)`` for row block I (r: the row before it, ``o_b`` [NB, 1, 1]) and each earlier column block J
-    (e: J's last row; ``s_c`` [1, BT, 1], each column's block), [NB, BT, BKS], 1 where J >= I: the gate summed over
-    the sub-blocks strictly between J and I, which can only be 1 and 2. Products of per-channel factors <= 1,
-    never a difference."""
-    b_e1 = fast_exp(b_t1)[None, None, :]                                    # [1, 1, BKS]
-    b_e2 = fast_exp(b_t2)[None, None, :]
-    return (tl.where((s_c < 1) & (o_b > 1), b_e1, 1.0)
-            * tl.where((s_c < 2) & (o_b > 2), b_e2, 1.0))
+def row_links(b_t1, b_t2, s_r, J: tl.constexpr):
+    """``exp(G_r - G_e)`` for each row (r: the row before its block I; e: column block J's last row), [BT, W] from
+    the totals of sub-blocks 1 and 2 ([W] each) and ``s_r`` ([BT, 1], each row's block): the gate summed over the
+    blocks strictly between J and I, which can only be 1 and 2, as products of per-channel factors <= 1, never a
+    difference; zero on the rows with I <= J, which take no column of J."""
+    b_l = tl.where(s_r > J, 1.0, 0.0)
+    if J < 1:
+        b_l = b_l * tl.where(s_r > 1, fast_exp(b_t1)[None, :], 1.0)
+    if J < 2:
+        b_l = b_l * tl.where(s_r > 2, fast_exp(b_t2)[None, :], 1.0)
+    return b_l
+
+
+@triton.jit
+def column_block(b_x, J: tl.constexpr):
+    """Rows J BC .. (J + 1) BC of a [4 BC, W] tile, [BC, W] (register splits, no memory)."""
+    b_lo, b_hi = row_halves(b_x)
+    if J < 2:
+        b_a, b_b = row_halves(b_lo)
+    else:
+        b_a, b_b = row_halves(b_hi)
+    if J % 2 == 0:
+        return b_a
+    return b_b
+
+
+@triton.jit
+def block_products(b_acq, b_ack, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, J: tl.constexpr, PREC: tl.constexpr):
+    """Column block J against the rows after it, added to its [BT, BC] tiles: rows ``q_i exp(G_i - G_r)``
+    (``k_i ...``) times :func:`row_links`, columns ``k_j exp(G_e - G_j)`` of J's rows, all factors <= 1."""
+    b_c = tl.trans(tf32_operand(column_block(b_kap, J), PREC))             # [W, BC]
+    b_l = row_links(b_t1, b_t2, s_r, J)                                    # [BT, W]
+    b_acq = mm_rounded(tf32_operand(b_qr * b_l, PREC), b_c, b_acq, PREC)
+    b_ack = mm_rounded(tf32_operand(b_kr * b_l, PREC), b_c, b_ack, PREC)
+    return b_acq, b_ack
 
 
 # Channels per step of blocked_scores' products: its [NB, BT, step] column operand, a launch step of 32 (or more)
@@ -294,69 +295,50 @@ def vector_halves(b_x):
 
 
 @triton.jit
-def blocked_step(b_aq, b_ak, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT: tl.constexpr, BC: tl.constexpr,
-                 PREC: tl.constexpr):
-    """One channel step of :func:`blocked_scores` added to its [NB, BC, BT] tiles, from the step's q, k, gP tiles
-    ([BT, W] float32) and sub-block totals ([W] each)."""
-    NB: tl.constexpr = BT // BC
-    W: tl.constexpr = b_q.shape[1]
-    o_t = tl.arange(0, BT)
-    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
-    o_b = tl.arange(0, NB)[:, None, None]                                  # [NB, 1, 1] row block I
-    s_c = (o_t // BC)[None, :, None]                                       # [1, BT, 1] column block J
-    b_own = own_totals(b_t0, b_t1, b_t2, b_t3, s_r)                        # [BT, W] tot of the row's block
+def blocked_step(b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3,
+                 BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """One channel step of :func:`blocked_scores` from the step's q, k, gP tiles ([BT, W] float32) and sub-block
+    totals ([W] each): column blocks 0-2 against the rows after them into [BT, BC] tiles (b_q0 ... b_k2, three
+    [BT, W] x [W, BC] products per matrix)."""
+    s_r = (tl.arange(0, BT) // BC)[:, None]                                # [BT, 1] sub-block of each row
     b_rho = fast_exp(b_P)                                                  # [BT, W] exp(G_i - G_r)
-    b_kap = b_k * fast_exp(b_own - b_P)                                    # [BT, W] k_j exp(G_e - G_j)
-    b_kd = tl.zeros([BT, W], dtype=tl.float32)
-    if totals_safe(b_t0, b_t1, b_t2, b_t3):
-        b_kd = b_k * fast_exp(-b_P)                                        # [BT, W] <= 1.2e26 |k_j|
-    b_col = tl.where(s_c < o_b, b_kap[None, :, :] * link_tiles(b_t1, b_t2, o_b, s_c),
-                     tl.where(s_c == o_b, b_kd[None, :, :], 0.0))          # [NB, BT, W]
-    b_ct = tl.trans(tf32_operand(b_col, PREC), 0, 2, 1)                    # [NB, W, BT]
-    b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, W]), b_ct, b_aq, PREC)
-    b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, W]), b_ct, b_ak, PREC)
-    return b_aq, b_ak
+    b_qr = b_q * b_rho
+    b_kr = b_k * b_rho
+    b_kap = b_k * fast_exp(own_totals(b_t0, b_t1, b_t2, b_t3, s_r) - b_P)  # [BT, W] k_j exp(G_e - G_j)
+    b_q0, b_k0 = block_products(b_q0, b_k0, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 0, PREC)
+    b_q1, b_k1 = block_products(b_q1, b_k1, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 1, PREC)
+    b_q2, b_k2 = block_products(b_q2, b_k2, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 2, PREC)
+    return b_q0, b_q1, b_q2, b_k0, b_k1, b_k2
 
 
 @triton.jit
 def blocked_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr,
+    BKS: tl.constexpr, PREC: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """Aqk and Akk of a chunk that is not separable, at any gate: one batched product per matrix and step of
-    BLOCKED_STEP channels (:func:`blocked_step`; half the launch's BKS if that is larger), each 16-row block I of
-    rows against all BT columns ([NB, BC, 16] x [NB, 16, BT], the work of one [BT, 16] x [16, BT] product), with
-    the reference of block I at the row r before it:
+    """Aqk and Akk of a chunk that is not separable, at any gate, with the reference of row block I at the row r
+    before it and of column block J at its last row e:
 
-    * rows ``q_i exp(G_i - G_r) = q_i exp(gP_i)`` (<= 1);
-    * columns of earlier blocks J < I: ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j) link(I, J)``
-      (:func:`link_tiles`), both factors <= 1: nothing overflows, and a factor underflows only where the exact
-      one does;
-    * columns of block I itself (the diagonal blocks): ``k_j exp(-gP_j)`` on the channel steps where every
-      sub-block's gate sum is above -SAFE_EXP (:func:`totals_safe`), else zero, and those steps' diagonal blocks
-      come first (:func:`clamped_diagonal` for 16-bit inputs, :func:`diagonal_levels` for float32), decided per
-      product step as here;
-    * columns of later blocks: zero.
+    * below the diagonal blocks, per step of BLOCKED_STEP channels (:func:`blocked_step`; half the launch's BKS if
+      that is larger) and column block J < 3, one [BT, 16] x [16, 16] product of all rows against J's columns:
+      rows ``q_i exp(G_i - G_r) link(I, J) = q_i exp(gP_i) exp(G_r - G_e)`` (:func:`row_links`, zero on rows of
+      blocks I <= J), columns ``k_j exp(G_e - G_j) = k_j exp(tot_J - gP_j)``: every factor <= 1, nothing
+      overflows, and a factor underflows only where the exact one does;
+    * the diagonal blocks after that in a pass of their own (:func:`clamped_diagonal` for 16-bit inputs,
+      :func:`diagonal_levels` for float32).
 
     Returns the [BT, BT] float32 tiles (Aqk, Akk), valid on and below the diagonal (:func:`store_scores` masks
     the rest)."""
     tl.static_assert(BT == 4 * BC)
-    NB: tl.constexpr = BT // BC
-    # the launch's tiles in two halves from 2 BLOCKED_STEP channels on; the strong diagonal is decided per product
-    # step (STEP), as each step's product decides its own diagonal blocks, so each channel's pairs come from one
-    HALF: tl.constexpr = BKS >= 2 * BLOCKED_STEP
-    STEP: tl.constexpr = BKS // 2 if HALF else BKS
-    b_sq = tl.zeros([BT, BT], dtype=tl.float32)
-    b_sk = tl.zeros([BT, BT], dtype=tl.float32)
-    if not safe_step(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC):
-        if PREC == "tf32":
-            b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, STEP)
-        else:
-            b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC, STEP)
-    b_aq = tl.zeros([NB, BC, BT], dtype=tl.float32)
-    b_ak = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    HALF: tl.constexpr = BKS >= 2 * BLOCKED_STEP            # the launch's tiles in two halves, split in registers
+    b_q0 = tl.zeros([BT, BC], dtype=tl.float32)                            # column block 0, every row
+    b_q1 = tl.zeros([BT, BC], dtype=tl.float32)
+    b_q2 = tl.zeros([BT, BC], dtype=tl.float32)
+    b_k0 = tl.zeros([BT, BC], dtype=tl.float32)
+    b_k1 = tl.zeros([BT, BC], dtype=tl.float32)
+    b_k2 = tl.zeros([BT, BC], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -364,19 +346,28 @@ def blocked_scores(
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         if HALF:
-            # the loaded tiles in two halves: the [NB, BT, STEP] column operand keeps its registers
             b_P0, b_P1 = channel_halves(b_P)
-            b_k0, b_k1 = channel_halves(b_k)
-            b_q0, b_q1 = channel_halves(b_q)
+            b_y0, b_y1 = channel_halves(b_k)
+            b_x0, b_x1 = channel_halves(b_q)
             b_a0, b_a1 = vector_halves(b_t0)
             b_b0, b_b1 = vector_halves(b_t1)
             b_c0, b_c1 = vector_halves(b_t2)
             b_d0, b_d1 = vector_halves(b_t3)
-            b_aq, b_ak = blocked_step(b_aq, b_ak, b_q0, b_k0, b_P0, b_a0, b_b0, b_c0, b_d0, BT, BC, PREC)
-            b_aq, b_ak = blocked_step(b_aq, b_ak, b_q1, b_k1, b_P1, b_a1, b_b1, b_c1, b_d1, BT, BC, PREC)
+            b_q0, b_q1, b_q2, b_k0, b_k1, b_k2 = blocked_step(
+                b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_x0, b_y0, b_P0, b_a0, b_b0, b_c0, b_d0, BT, BC, PREC)
+            b_q0, b_q1, b_q2, b_k0, b_k1, b_k2 = blocked_step(
+                b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_x1, b_y1, b_P1, b_a1, b_b1, b_c1, b_d1, BT, BC, PREC)
         else:
-            b_aq, b_ak = blocked_step(b_aq, b_ak, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT, BC, PREC)
-    return tl.reshape(b_aq, [BT, BT]) + b_sq, tl.reshape(b_ak, [BT, BT]) + b_sk
+            b_q0, b_q1, b_q2, b_k0, b_k1, b_k2 = blocked_step(
+                b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT, BC, PREC)
+    b_z = tl.zeros([BT, BC], dtype=tl.float32)
+    b_aq = side_by_side(b_q0, b_q1, b_q2, b_z)                             # [BT, BT] zero on and above the diagonal
+    b_ak = side_by_side(b_k0, b_k1, b_k2, b_z)                             # blocks
+    if PREC == "tf32":
+        b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
+    else:
+        b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
+    return b_aq + b_sq, b_ak + b_sk
 
 
 @triton.jit
@@ -504,7 +495,7 @@ def chunk_kda_fwd_scores_kernel(
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                        BK, d_q, d_k, d_gP, TMA)
+                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
