@@ -412,23 +412,20 @@ def halves_scores(
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """The scores of a chunk whose every sub-block's gate sum is above -HALF_LIMIT
-    (chunk_common.sub_blocks_bounded) but that is not separable as a whole, per channel step:
+    (chunk_common.sub_blocks_bounded) but that is not separable as a whole: three products per channel step, each
+    entry from exactly one of them (their operands are zero outside their rows and columns):
 
-    * inside each 32-row half, one [BT, BKS] x [BKS, BT] product of rows ``q_i exp(D_i)`` and columns
-      ``k_j exp(-D_j)`` with ``D = G - R`` and R the last row of the half's first sub-block (row 15 or 47), so
-      ``D = gP - tot`` on sub-blocks 0 and 2 and ``D = gP`` on 1 and 3: |D| < HALF_LIMIT, and no sum over more
-      than 16 rows. Its entries across the halves mix the two references (they may overflow) and are replaced;
-    * across (rows of half 1, columns of half 0), through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``, both
-      <= 1, into [BT, BT / 2] tiles of their own, a product half as wide ([BT, BKS] x [BKS, BT / 2]).
+    * inside half 0 (rows 0-31) and inside half 1 (32-63): rows ``q_i exp(D_i)``, columns ``k_j exp(-D_j)`` with
+      ``D = G - R`` and R the last row of the half's first sub-block (row 15 or 47), so ``D = gP - tot`` on
+      sub-blocks 0 and 2 and ``D = gP`` on 1 and 3: |D| < HALF_LIMIT, and no sum over more than 16 rows;
+    * across (rows of half 1, columns of half 0), through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``, both <= 1.
 
-    As in :func:`separable_scores`, only replaced or dropped entries (j > i) can overflow."""
+    As in :func:`separable_scores`, only dropped entries (j > i) can overflow."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     m_h1 = s_r >= 2                                                        # [BT, 1] rows of half 1
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    b_xq = tl.zeros([BT, BT // 2], dtype=tl.float32)                       # columns 0-31 across the halves
-    b_xk = tl.zeros([BT, BT // 2], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)           # [BT, BKS]
@@ -438,25 +435,19 @@ def halves_scores(
         b_eX = fast_exp(b_X)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT] same-half columns
-        b_aq = mm_rounded(tf32_operand(b_q * b_eD, PREC), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tf32_operand(b_k * b_eD, PREC), b_ct, b_ak, PREC)
-        b_kx, _ = row_halves(tf32_operand(b_k * b_eX, PREC))              # [BT / 2, BKS] half 0's columns
-        b_cx = tl.trans(b_kx)                                              # [BKS, BT / 2]
-        b_xq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_cx, b_xq, PREC)
-        b_xk = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_cx, b_xk, PREC)
-    m_x = m_h1 & (o_t < BT // 2)[None, :]                                  # [BT, BT] across the halves
-    b_aq = tl.where(m_x, left_columns(b_xq), b_aq)
-    b_ak = tl.where(m_x, left_columns(b_xk), b_ak)
+        b_kc = tf32_operand(b_k * fast_exp(-b_D), PREC)                    # [BT, BKS] same-half columns
+        b_ct0 = tl.trans(tl.where(m_h1, 0.0, b_kc))                        # [BKS, BT]
+        b_ct1 = tl.trans(tl.where(m_h1, b_kc, 0.0))
+        b_ctx = tl.trans(tf32_operand(tl.where(m_h1, 0.0, b_k * b_eX), PREC))   # cross columns (half 0)
+        b_qr = tf32_operand(b_q * b_eD, PREC)                              # [BT, BKS]
+        b_kr = tf32_operand(b_k * b_eD, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_ct0, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_ct1, b_aq, PREC)
+        b_aq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_ctx, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
+        b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
     return b_aq, b_ak
-
-
-@triton.jit
-def left_columns(b_x):
-    """[R, C] -> the [R, 2 C] tile holding it in columns 0 .. C, zeros after."""
-    R: tl.constexpr = b_x.shape[0]
-    C: tl.constexpr = b_x.shape[1]
-    return tl.reshape(tl.permute(tl.join(b_x, tl.zeros_like(b_x)), (0, 2, 1)), [R, 2 * C])
 
 
 @triton.jit
