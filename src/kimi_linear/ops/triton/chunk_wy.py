@@ -295,25 +295,11 @@ def vector_halves(b_x):
 
 
 @triton.jit
-def diagonal_block_products(b_acq, b_ack, b_qf, b_kf, b_kc, s_r, J: tl.constexpr, PREC: tl.constexpr):
-    """Diagonal block J through the clamped factors (chunk_common.clamped_diagonal_factors), added to column block
-    J's [BT, BC] tiles: rows ``q_i exp(c_i - m)`` (``k_i ...``) of block J, zero elsewhere, against columns
-    ``k_j exp(m - c_j)`` of J. Its entries above the diagonal may overflow; they are only ever selected away."""
-    b_c = tl.trans(tf32_operand(column_block(b_kc, J), PREC))              # [W, BC]
-    m_r = s_r == J
-    b_acq = mm_rounded(tf32_operand(tl.where(m_r, b_qf, 0.0), PREC), b_c, b_acq, PREC)
-    b_ack = mm_rounded(tf32_operand(tl.where(m_r, b_kf, 0.0), PREC), b_c, b_ack, PREC)
-    return b_acq, b_ack
-
-
-@triton.jit
-def blocked_step(b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3,
-                 gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k,
+def blocked_step(b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3,
                  BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """One channel step of :func:`blocked_scores` from the step's q, k, gP tiles ([BT, W] float32, channels o_k)
-    and sub-block totals ([W] each), into column block J's [BT, BC] tiles (b_q0 ... b_k3): blocks 0-2 against the
-    rows after them (three [BT, W] x [W, BC] products per matrix) and, for 16-bit inputs (``PREC`` "tf32"), the
-    diagonal blocks through clamped gate steps (four more)."""
+    """One channel step of :func:`blocked_scores` from the step's q, k, gP tiles ([BT, W] float32) and sub-block
+    totals ([W] each): column blocks 0-2 against the rows after them into [BT, BC] tiles (b_q0 ... b_k2, three
+    [BT, W] x [W, BC] products per matrix)."""
     s_r = (tl.arange(0, BT) // BC)[:, None]                                # [BT, 1] sub-block of each row
     b_rho = fast_exp(b_P)                                                  # [BT, W] exp(G_i - G_r)
     b_qr = b_q * b_rho
@@ -322,16 +308,7 @@ def blocked_step(b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, b_q, b_k, b_P, 
     b_q0, b_k0 = block_products(b_q0, b_k0, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 0, PREC)
     b_q1, b_k1 = block_products(b_q1, b_k1, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 1, PREC)
     b_q2, b_k2 = block_products(b_q2, b_k2, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 2, PREC)
-    if PREC == "tf32":
-        b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")  # [BT, W]
-        b_qf = b_q * b_rf
-        b_kf = b_k * b_rf
-        b_kc = b_k * b_cf
-        b_q0, b_k0 = diagonal_block_products(b_q0, b_k0, b_qf, b_kf, b_kc, s_r, 0, PREC)
-        b_q1, b_k1 = diagonal_block_products(b_q1, b_k1, b_qf, b_kf, b_kc, s_r, 1, PREC)
-        b_q2, b_k2 = diagonal_block_products(b_q2, b_k2, b_qf, b_kf, b_kc, s_r, 2, PREC)
-        b_q3, b_k3 = diagonal_block_products(b_q3, b_k3, b_qf, b_kf, b_kc, s_r, 3, PREC)
-    return b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3
+    return b_q0, b_q1, b_q2, b_k0, b_k1, b_k2
 
 
 @triton.jit
@@ -359,11 +336,9 @@ def blocked_scores(
     b_q0 = tl.zeros([BT, BC], dtype=tl.float32)                            # column block 0, every row
     b_q1 = tl.zeros([BT, BC], dtype=tl.float32)
     b_q2 = tl.zeros([BT, BC], dtype=tl.float32)
-    b_q3 = tl.zeros([BT, BC], dtype=tl.float32)
     b_k0 = tl.zeros([BT, BC], dtype=tl.float32)
     b_k1 = tl.zeros([BT, BC], dtype=tl.float32)
     b_k2 = tl.zeros([BT, BC], dtype=tl.float32)
-    b_k3 = tl.zeros([BT, BC], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
@@ -378,24 +353,21 @@ def blocked_scores(
             b_b0, b_b1 = vector_halves(b_t1)
             b_c0, b_c1 = vector_halves(b_t2)
             b_d0, b_d1 = vector_halves(b_t3)
-            o_k0, o_k1 = vector_halves(o_k)
-            b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3 = blocked_step(
-                b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, b_x0, b_y0, b_P0, b_a0, b_b0, b_c0, b_d0,
-                gP, bos, t0, T_n, i_hv, HV, K, o_k0, BT, BC, PREC)
-            b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3 = blocked_step(
-                b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, b_x1, b_y1, b_P1, b_a1, b_b1, b_c1, b_d1,
-                gP, bos, t0, T_n, i_hv, HV, K, o_k1, BT, BC, PREC)
+            b_q0, b_q1, b_q2, b_k0, b_k1, b_k2 = blocked_step(
+                b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_x0, b_y0, b_P0, b_a0, b_b0, b_c0, b_d0, BT, BC, PREC)
+            b_q0, b_q1, b_q2, b_k0, b_k1, b_k2 = blocked_step(
+                b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_x1, b_y1, b_P1, b_a1, b_b1, b_c1, b_d1, BT, BC, PREC)
         else:
-            b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3 = blocked_step(
-                b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3,
-                gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
-    b_aq = side_by_side(b_q0, b_q1, b_q2, b_q3)                            # [BT, BT]
-    b_ak = side_by_side(b_k0, b_k1, b_k2, b_k3)
-    if PREC != "tf32":
+            b_q0, b_q1, b_q2, b_k0, b_k1, b_k2 = blocked_step(
+                b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_q, b_k, b_P, b_t0, b_t1, b_t2, b_t3, BT, BC, PREC)
+    b_z = tl.zeros([BT, BC], dtype=tl.float32)
+    b_aq = side_by_side(b_q0, b_q1, b_q2, b_z)                             # [BT, BT] zero on and above the diagonal
+    b_ak = side_by_side(b_k0, b_k1, b_k2, b_z)                             # blocks
+    if PREC == "tf32":
+        b_sq, b_sk = clamped_diagonal(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
+    else:
         b_sq, b_sk = diagonal_levels(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
-        b_aq += b_sq
-        b_ak += b_sk
-    return b_aq, b_ak
+    return b_aq + b_sq, b_ak + b_sk
 
 
 @triton.jit
