@@ -13,9 +13,10 @@ so with a gate of -1000 every factor that should vanish underflows to an exact 0
 differences of sums are ``tot_J - gP_j`` and, inside a diagonal 16x16 block, ``gP_i - gP_r`` and ``gP_r - gP_j``
 with r a reference row of the same sub-block between j and i (:func:`level_factor`; both <= 0): sums over at most
 15 steps, never over the whole chunk, which keeps float32 rounding of large cumulative gates out of the factors.
-(Where every sub-block's sum is above -SAFE_EXP, the diagonal blocks take ``exp(gP_i) exp(-gP_j)`` instead; the
-forward's other diagonal blocks of 16-bit inputs take factors through gate steps clamped at -DIAG_CLAMP,
-:func:`clamped_diagonal_factors`, exact to 16-bit precision.)
+(Where every sub-block's sum is above -SAFE_EXP, the score gradients' diagonal blocks take
+``exp(gP_i) exp(-gP_j)`` instead; the diagonal blocks of 16-bit inputs otherwise, and in the forward's blocked
+chunks always, take factors through gate steps clamped at -DIAG_CLAMP, :func:`clamped_diagonal_factors`, exact to
+16-bit precision.)
 """
 
 from __future__ import annotations
