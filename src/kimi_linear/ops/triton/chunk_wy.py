@@ -271,11 +271,11 @@ def block_products(b_acq, b_ack, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, J: tl.const
     return b_acq, b_ack
 
 
-# Channels per step of blocked_scores' products: its [NB, BT, step] column operand, a launch step of 32 (or more)
-# taken as two halves split in registers. H100, 16 x 2048, strong decay (2026-12-05, bench/kda_ab.py, three rounds):
-# scores 1.549 ms, against 1.903 with 32-channel products and 2.131 for the sub-block scheme it replaced (three
-# [64, 64] products a step); the by-halves path stays for chunks bounded per sub-block, where blocked_scores took
-# 1.093 ms against its 0.859 (K3's saturated gates); the other regimes within 0.02 ms
+# Channels per step of blocked_scores' products, a launch step of 32 (or more) taken as two halves split in
+# registers. Chosen for the batched form before the column blocks (H100, 16 x 2048, strong decay, 2026-12-05,
+# bench/kda_ab.py: scores 1.549 ms against 1.903 with 32-channel products); the column blocks were timed at 16
+# only (1.305 ms). The by-halves path stays for chunks bounded per sub-block, where the batched form took 1.093 ms
+# against its 0.859 (K3's saturated gates)
 BLOCKED_STEP: tl.constexpr = tl.constexpr(16)
 
 
