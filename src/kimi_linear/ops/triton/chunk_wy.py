@@ -276,7 +276,7 @@ def block_products(b_acq, b_ack, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, J: tl.const
 # bench/kda_ab.py: scores 1.549 ms against 1.903 with 32-channel products); the column blocks were timed at 16
 # only (1.305 ms). The by-halves path stays for chunks bounded per sub-block, where the batched form took 1.093 ms
 # against its 0.859 (K3's saturated gates)
-BLOCKED_STEP: tl.constexpr = tl.constexpr(32)
+BLOCKED_STEP: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
