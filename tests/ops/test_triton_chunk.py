@@ -503,3 +503,35 @@ def test_akk_storage(gate):
         got = pc.Akk[0, r, 0, :n].double().tril(-1)
         err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
     assert err < 2e-3 * top, (err, top)
+
+
+@pytest.mark.parametrize("fall", [45.0, 58.0])
+def test_scores_by_halves_at_their_bound(fall, monkeypatch):
+    """chunk_wy.halves_scores with every 16-row sub-block falling by ``fall`` (not separable, bounded per
+    sub-block; 58 just under the tightest bound that path has been given, 60), so that the factors of its half-1
+    rows reach exp(fall). Every kept entry of Aqk (stored in bf16: 5e-3) and Akk (float32 here: 2e-3) within that
+    share of the largest against float64, the quarter across the halves included, and the chunks went by halves."""
+    from kimi_linear.ops.triton import chunk_wy
+    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
+
+    halves = spy_calls(monkeypatch, chunk_wy, "halves_scores")
+    T, K = 128, 32
+    x = make_inputs(B=1, T=T, H=1, K=K, V=16, dtype=torch.bfloat16, seed=95)
+    gen = torch.Generator().manual_seed(96)
+    step = fall / 16 * (1.0 + 0.05 * torch.randn(1, T, 1, K, generator=gen, dtype=torch.float64)).clamp(0.9, 1.0)
+    x["g"] = (-step).to(torch.bfloat16)
+    p = Problem(x["q"], x["v"], None, NO_OPTIONS, LaunchConfig())
+    pc = forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], None, False)
+    assert len(halves) == T // 64, halves
+    q, k, G = (x[n][0, :, 0].double() for n in ("q", "k", "g"))
+    for name, rows, got_all, strict, bar in (("Aqk", q, pc.Aqk, 0, 5e-3), ("Akk", k, pc.Akk, -1, 2e-3)):
+        err, top = 0.0, 0.0
+        for t0 in range(0, T, 64):
+            r = slice(t0, t0 + 64)
+            Gc = G[r].cumsum(0)
+            keep = torch.ones(64, 64, dtype=torch.bool).tril(strict)
+            ref = torch.einsum("ic,jc,ijc->ij", rows[r], k[r],
+                               torch.exp(torch.where(keep[:, :, None], Gc[:, None] - Gc[None, :], -1e9)))
+            got = torch.where(keep, got_all[0, r, 0].double(), 0.0)
+            err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
+        assert err < bar * top, (name, err, top)
