@@ -35,6 +35,7 @@ import triton.language as tl
 from .chunk_common import (
     SAFE_EXP,
     cast,
+    channel_halves,
     chunk_coords,
     chunk_gate_terms,
     chunk_kind,
@@ -481,7 +482,7 @@ def cross_of(b_a, ROWS: tl.constexpr):
     """The part across the halves of a [BT, BT] tile: with ``ROWS`` (dA) columns 0-31 on rows 32-63, else
     (dA^T) columns 32-63 on rows 0-31; [BT, BT / 2], zero on the other rows."""
     BT: tl.constexpr = b_a.shape[0]
-    b_l, b_r = tl.split(tl.permute(tl.reshape(b_a, [BT, 2, BT // 2]), (0, 2, 1)))
+    b_l, b_r = channel_halves(b_a)
     o_t = tl.arange(0, BT)
     if ROWS:
         return tl.where((o_t >= BT // 2)[:, None], b_l, 0.0)
@@ -508,7 +509,7 @@ def halves_grads(
     in one program, where the sub-block scheme takes four programs a chunk (each loading the chunk's rows again)
     and, on sub-blocks past -SAFE_EXP, the diagonal levels: the three within-half products as [BT, BT] x [BT, BK]
     on dA masked to the halves, the four across the halves as [BT, BT / 2] x [BT / 2, BK] (dA_x fills a quarter
-    of the matrix, so they reduce over one half: :func:`cross_of`, :func:`row_halves`), the work of five full
+    of the matrix, so they reduce over one half: :func:`cross_of`, chunk_common.row_halves), the work of five full
     products where masked full ones took eight. Aqk's diagonal is added in float32 beside the products, as in
     :func:`separable_grads`; dG is formed from the rounded operands."""
     o_k = i_k * BK + tl.arange(0, BK)

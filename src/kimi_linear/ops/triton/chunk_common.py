@@ -109,6 +109,21 @@ def row_halves(b_x):
 
 
 @triton.jit
+def channel_halves(b_x):
+    """[R, 2W] -> its first and second W columns (channels), [R, W] each (a register split, no memory)."""
+    R: tl.constexpr = b_x.shape[0]
+    W: tl.constexpr = b_x.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(b_x, [R, 2, W]), (0, 2, 1)))
+
+
+@triton.jit
+def vector_halves(b_x):
+    """[2W] -> its first and second W entries."""
+    W: tl.constexpr = b_x.shape[0] // 2
+    return tl.split(tl.permute(tl.reshape(b_x, [2, W]), (1, 0)))
+
+
+@triton.jit
 def grid_coords(NB: tl.constexpr, NH: tl.constexpr):
     """(i_c, i_b, i_h) of this program: flat chunk, block (of key or value columns; 0 where NB == 1) and head, in
     the one-dimensional grid of chunk_pipeline.Problem.grid. The GPU starts programs in grid order, fastest index

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .chunk_common import (
     block_of,
+    channel_halves,
     chunk_coords,
     chunk_gate_terms,
     chunk_separable,
@@ -58,6 +59,7 @@ from .chunk_common import (
     sub_block_totals,
     sub_blocks_bounded,
     tf32_operand,
+    vector_halves,
 )
 from .fastmath import fast_exp
 
@@ -277,21 +279,6 @@ def block_products(b_acq, b_ack, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, J: tl.const
 # only (1.305 ms). The by-halves path stays for chunks bounded per sub-block, where the batched form took 1.093 ms
 # against its 0.859 (K3's saturated gates)
 BLOCKED_STEP: tl.constexpr = tl.constexpr(16)
-
-
-@triton.jit
-def channel_halves(b_x):
-    """[R, 2W] -> its first and second W channels, [R, W] each (a register split, no memory)."""
-    R: tl.constexpr = b_x.shape[0]
-    W: tl.constexpr = b_x.shape[1] // 2
-    return tl.split(tl.permute(tl.reshape(b_x, [R, 2, W]), (0, 2, 1)))
-
-
-@triton.jit
-def vector_halves(b_x):
-    """[2W] -> its first and second W entries."""
-    W: tl.constexpr = b_x.shape[0] // 2
-    return tl.split(tl.permute(tl.reshape(b_x, [2, W]), (1, 0)))
 
 
 @triton.jit
