@@ -236,16 +236,16 @@ def clamped_diagonal(
 
 
 @triton.jit
-def row_links(b_t1, b_t2, s_r, J: tl.constexpr):
+def row_links(b_e1, b_e2, s_r, J: tl.constexpr):
     """``exp(G_r - G_e)`` for each row (r: the row before its block I; e: column block J's last row), [BT, W] from
-    the totals of sub-blocks 1 and 2 ([W] each) and ``s_r`` ([BT, 1], each row's block): the gate summed over the
+    ``exp(tot_1)``, ``exp(tot_2)`` ([1, W] each) and ``s_r`` ([BT, 1], each row's block): the gate summed over the
     blocks strictly between J and I, which can only be 1 and 2, as products of per-channel factors <= 1, never a
     difference; zero on the rows with I <= J, which take no column of J."""
     b_l = tl.where(s_r > J, 1.0, 0.0)
     if J < 1:
-        b_l = b_l * tl.where(s_r > 1, fast_exp(b_t1)[None, :], 1.0)
+        b_l = b_l * tl.where(s_r > 1, b_e1, 1.0)
     if J < 2:
-        b_l = b_l * tl.where(s_r > 2, fast_exp(b_t2)[None, :], 1.0)
+        b_l = b_l * tl.where(s_r > 2, b_e2, 1.0)
     return b_l
 
 
@@ -263,11 +263,11 @@ def column_block(b_x, J: tl.constexpr):
 
 
 @triton.jit
-def block_products(b_acq, b_ack, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, J: tl.constexpr, PREC: tl.constexpr):
+def block_products(b_acq, b_ack, b_qr, b_kr, b_kap, b_e1, b_e2, s_r, J: tl.constexpr, PREC: tl.constexpr):
     """Column block J against the rows after it, added to its [BT, BC] tiles: rows ``q_i exp(G_i - G_r)``
     (``k_i ...``) times :func:`row_links`, columns ``k_j exp(G_e - G_j)`` of J's rows, all factors <= 1."""
     b_c = tl.trans(tf32_operand(column_block(b_kap, J), PREC))             # [W, BC]
-    b_l = row_links(b_t1, b_t2, s_r, J)                                    # [BT, W]
+    b_l = row_links(b_e1, b_e2, s_r, J)                                    # [BT, W]
     b_acq = mm_rounded(tf32_operand(b_qr * b_l, PREC), b_c, b_acq, PREC)
     b_ack = mm_rounded(tf32_operand(b_kr * b_l, PREC), b_c, b_ack, PREC)
     return b_acq, b_ack
@@ -292,9 +292,11 @@ def blocked_step(b_q0, b_q1, b_q2, b_k0, b_k1, b_k2, b_q, b_k, b_P, b_t0, b_t1, 
     b_qr = b_q * b_rho
     b_kr = b_k * b_rho
     b_kap = b_k * fast_exp(own_totals(b_t0, b_t1, b_t2, b_t3, s_r) - b_P)  # [BT, W] k_j exp(G_e - G_j)
-    b_q0, b_k0 = block_products(b_q0, b_k0, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 0, PREC)
-    b_q1, b_k1 = block_products(b_q1, b_k1, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 1, PREC)
-    b_q2, b_k2 = block_products(b_q2, b_k2, b_qr, b_kr, b_kap, b_t1, b_t2, s_r, 2, PREC)
+    b_e1 = fast_exp(b_t1)[None, :]                                         # [1, W] the links' factors, once a step
+    b_e2 = fast_exp(b_t2)[None, :]
+    b_q0, b_k0 = block_products(b_q0, b_k0, b_qr, b_kr, b_kap, b_e1, b_e2, s_r, 0, PREC)
+    b_q1, b_k1 = block_products(b_q1, b_k1, b_qr, b_kr, b_kap, b_e1, b_e2, s_r, 1, PREC)
+    b_q2, b_k2 = block_products(b_q2, b_k2, b_qr, b_kr, b_kap, b_e1, b_e2, s_r, 2, PREC)
     return b_q0, b_q1, b_q2, b_k0, b_k1, b_k2
 
 
