@@ -202,6 +202,15 @@ def test_scores_by_halves(case, dtype):
     assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
 
 
+
+def reference_scores(rows, keys, g, diagonal):
+    """Float64 scores of one block of rows: ``sum_c rows_ic keys_jc exp(G_ic - G_jc)`` with ``G`` the cumulative
+    sum of the log decays ``g`` ([L, K] each), on the pairs ``torch.tril(diagonal)`` keeps (0: j <= i, -1: j < i),
+    zero elsewhere: [L, L]."""
+    G = g.cumsum(0)
+    keep = torch.ones(len(G), len(G), dtype=torch.bool).tril(diagonal)[:, :, None]
+    return torch.einsum("ic,jc,ijc->ij", rows, keys, torch.exp(torch.where(keep, G[:, None] - G[None, :], -1e9)))
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_l2norm_factors_from_scores(dtype):
     """l2norm's row factors from the scores kernel (its paths on raw q, k, the [BT, BT] results scaled): with GVA
@@ -328,9 +337,7 @@ def test_clamped_diagonal_at_the_clamp():
     err, top = 0.0, 0.0
     for b0 in range(0, T, 16):                                       # each 16-row sub-block
         r = slice(b0, min(b0 + 16, T))
-        G = g[r].cumsum(0)                                           # [L, K]
-        low = torch.ones(len(G), len(G), dtype=torch.bool).tril(-1)[:, :, None]          # pairs j < i
-        ref = torch.einsum("ic,jc,ijc->ij", k[r], k[r], torch.exp(torch.where(low, G[:, None] - G[None, :], -1e9)))
+        ref = reference_scores(k[r], k[r], g[r], -1)                 # pairs j < i of the sub-block
         got = pc.Akk[0, r, 0, b0 % 64: b0 % 64 + r.stop - r.start].double().tril(-1)
         err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
     assert torch.isfinite(pc.Akk).all()
@@ -496,11 +503,8 @@ def test_akk_storage(gate):
     err, top = 0.0, 0.0
     for t0 in range(0, T, 64):
         r = slice(t0, min(t0 + 64, T))
-        Gc = G[r].cumsum(0)
-        n = len(Gc)
-        low = torch.ones(n, n, dtype=torch.bool).tril(-1)[:, :, None]
-        ref = torch.einsum("ic,jc,ijc->ij", k[r], k[r], torch.exp(torch.where(low, Gc[:, None] - Gc[None, :], -1e9)))
-        got = pc.Akk[0, r, 0, :n].double().tril(-1)
+        ref = reference_scores(k[r], k[r], G[r], -1)
+        got = pc.Akk[0, r, 0, :len(ref)].double().tril(-1)
         err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
     assert err < 2e-3 * top, (err, top)
 
@@ -528,10 +532,7 @@ def test_scores_by_halves_at_their_bound(fall, monkeypatch):
         err, top = 0.0, 0.0
         for t0 in range(0, T, 64):
             r = slice(t0, t0 + 64)
-            Gc = G[r].cumsum(0)
-            keep = torch.ones(64, 64, dtype=torch.bool).tril(strict)
-            ref = torch.einsum("ic,jc,ijc->ij", rows[r], k[r],
-                               torch.exp(torch.where(keep[:, :, None], Gc[:, None] - Gc[None, :], -1e9)))
-            got = torch.where(keep, got_all[0, r, 0].double(), 0.0)
+            ref = reference_scores(rows[r], k[r], G[r], strict)
+            got = got_all[0, r, 0].double().tril(strict)
             err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
         assert err < bar * top, (name, err, top)
