@@ -344,6 +344,52 @@ def test_clamped_diagonal_at_the_clamp():
     assert err < 2e-3 * top, (err, top)
 
 
+@pytest.mark.parametrize("fall", [20.5, 19.5])
+def test_banded_scores_at_their_bound(fall, monkeypatch):
+    """bf16 chunks whose every channel falls by ``fall`` over each 16-row sub-block (20.5: just past BAND_LIMIT,
+    so chunk_wy.banded_scores leaves the pairs two sub-blocks apart, whose factors reach exp(-20.5), at zero;
+    19.5: just short of it, so the blocked scheme takes them), with channels falling by about 200 a sub-block
+    (not bounded per sub-block, so no by-halves path) and -1000 steps beside them. Aqk (stored in bf16: 5e-3)
+    and Akk (float32 here: 2e-3) against float64 on every pair j <= i (j < i), within that share of the largest
+    entry; the sub-diagonal blocks (which the banded path forms in a product of their own) checked apart, and the
+    chunks counted on the path their fall gives them (the last chunk's sub-block 2 lies past the end: never
+    banded)."""
+    from kimi_linear.ops.triton import chunk_wy
+    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
+
+    banded = spy_calls(monkeypatch, chunk_wy, "banded_scores")
+    blocked = spy_calls(monkeypatch, chunk_wy, "blocked_scores")
+    T, K = 150, 32
+    x = make_inputs(B=1, T=T, H=1, K=K, V=16, dtype=torch.bfloat16, seed=97)
+    u = torch.rand(T, K, generator=torch.Generator().manual_seed(98), dtype=torch.float64)
+    # even channels: uneven steps summing to -fall over each sub-block; odd ones about -200 a sub-block
+    blocks = torch.nn.functional.pad(u, (0, 0, 0, (-T) % 16)).reshape(-1, 16, K)
+    mild = (-fall * blocks / blocks.sum(1, keepdim=True)).reshape(-1, K)[:T]
+    steps = torch.where(torch.arange(K) % 2 == 0, mild, -12.5 * (0.5 + u))
+    steps[::11, 1::4] = -1000.0
+    x["g"] = steps[None, :, None, :].to(torch.bfloat16)
+    p = Problem(x["q"], x["v"], None, NO_OPTIONS, LaunchConfig())
+    pc = forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], None, False)
+    chunks = -(-T // 64)
+    full = T // 64
+    assert (len(banded), len(blocked)) == ((full, chunks - full) if fall > 20 else (0, chunks)), (banded, blocked)
+    qd, kd, G = (x[n][0, :, 0].double() for n in ("q", "k", "g"))
+    for name, rows, got_all, strict, bar in (("Aqk", qd, pc.Aqk, 0, 5e-3), ("Akk", kd, pc.Akk, -1, 2e-3)):
+        err, err_sub, top = 0.0, 0.0, 0.0
+        for t0 in range(0, T, 64):
+            r = slice(t0, min(t0 + 64, T))
+            n = r.stop - r.start
+            ref = reference_scores(rows[r], kd[r], G[r], strict)
+            got = got_all[0, r, 0, :n].double().tril(strict)
+            sub = torch.zeros(n, n, dtype=torch.bool)
+            for b in range(16, n, 16):
+                sub[b:b + 16, b - 16:b] = True
+            err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
+            err_sub = max(err_sub, (got - ref)[sub].abs().max().item())
+        assert torch.isfinite(got_all).all()
+        assert err < bar * top and err_sub < bar * top, (name, err, err_sub, top)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_row_levels_on_every_diagonal_block(dtype, monkeypatch):
     """The diagonal pass of the blocked scheme (chunk_wy.diagonal_levels for float32, clamped_diagonal for bf16)

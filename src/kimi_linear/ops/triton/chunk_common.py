@@ -373,6 +373,24 @@ def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr
     return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
 
 
+# A gate falling by more than this over a 16-row sub-block in every channel: pairs across that sub-block have
+# factors below exp(-BAND_LIMIT) = 2.1e-9, so an entry of theirs is at most 2.1e-9 |q_i| |k_j| (Cauchy-Schwarz over
+# the channels), under float32's rounding of the chunk's unit-scale entries (2^-24 = 6e-8) and far under the tf32
+# rounding (2^-11 of each operand) every 16-bit score product carries: chunk_wy.banded_scores leaves them at zero.
+BAND_LIMIT: tl.constexpr = tl.constexpr(20.0)
+
+
+@triton.jit
+def sub_blocks_far(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+    """Whether the gate of every channel falls by more than BAND_LIMIT over sub-block 1 and over sub-block 2 of
+    the chunk at t0 (the only sub-blocks that can lie strictly between two others): then only the diagonal
+    sub-blocks and the ones just below them hold entries above exp(-BAND_LIMIT) (chunk_wy.banded_scores)."""
+    o_k = tl.arange(0, BK)
+    b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
+    b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    return tl.max(tl.where(o_k < K, tl.maximum(b_t1, b_t2), -float("inf"))) < -BAND_LIMIT
+
+
 @triton.jit
 def separable_exponent(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k, s_r, BT: tl.constexpr,
                        BC: tl.constexpr):

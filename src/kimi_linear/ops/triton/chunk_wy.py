@@ -58,6 +58,7 @@ from .chunk_common import (
     store_rows,
     sub_block_totals,
     sub_blocks_bounded,
+    sub_blocks_far,
     tf32_operand,
     vector_halves,
 )
@@ -219,20 +220,94 @@ def clamped_diagonal(
     (H100, 16 x 2048, strong decay: scores 2.21 ms against 2.34 with 32-channel steps and 2.46 with the
     reference-row levels, in the sub-block scheme of then)."""
     NB: tl.constexpr = BT // BC
-    o_i = tl.arange(0, BC)
     b_aq = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_ak = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
-        b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
-        b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
-        b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
-    # pairs above the diagonal may have overflowed: only ever selected away
+        b_aq, b_ak = clamped_step(b_aq, b_ak, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
+    return clamped_blocks(b_aq, b_ak, BT, BC)
+
+
+@triton.jit
+def clamped_step(b_aq, b_ak, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k,
+                 BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """One channel step of :func:`clamped_diagonal` from the step's q, k, gP tiles ([BT, BKS] float32), added to
+    its [NB, BC, BC] tiles."""
+    NB: tl.constexpr = BT // BC
+    BKS: tl.constexpr = b_P.shape[1]
+    b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
+    b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
+    b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
+    b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
+    return b_aq, b_ak
+
+
+@triton.jit
+def clamped_blocks(b_aq, b_ak, BT: tl.constexpr, BC: tl.constexpr):
+    """:func:`clamped_diagonal`'s [NB, BC, BC] tiles -> [BT, BT] tiles, zero off the diagonal blocks and above the
+    diagonal (pairs above it may have overflowed: only ever selected away)."""
+    o_i = tl.arange(0, BC)
     m_low = (o_i[:, None] >= o_i[None, :])[None, :, :]                      # [1, BC, BC] j <= i
     return (block_diagonal(tl.where(m_low, b_aq, 0.0), BT, BC),
             block_diagonal(tl.where(m_low, b_ak, 0.0), BT, BC))
+
+
+@triton.jit
+def block_subdiagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
+    """[NB, BC, BC] blocks -> the [BT, BT] tile holding block I at rows I BC.., columns (I - 1) BC.. (block 0
+    dropped), zero elsewhere."""
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)
+    m_e = (o_b[:, None] == o_b[None, :] + 1)[:, None, :, None]            # [NB, 1, NB, 1]
+    return tl.reshape(tl.where(m_e, b_x[:, :, None, :], 0.0), [BT, BT])
+
+
+@triton.jit
+def banded_scores(
+    q, k, gP, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Aqk and Akk of a chunk of 16-bit inputs whose gate falls by more than BAND_LIMIT over sub-blocks 1 and 2 in
+    every channel (chunk_common.sub_blocks_fall_far): a pair two or more sub-blocks apart then has every factor
+    below exp(-BAND_LIMIT) and is left at zero (see BAND_LIMIT), so per channel step two batched products per
+    matrix over the four sub-blocks ([NB, BC, BKS] x [NB, BKS, BC] each, a quarter of a [BT, BT] product's work):
+
+    * the diagonal blocks, through clamped gate steps (:func:`clamped_step`, as :func:`clamped_diagonal`);
+    * the blocks (I, I - 1) below them, through the row r before sub-block I: rows ``q_i exp(G_i - G_r) =
+      q_i exp(gP_i)``, columns ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j)``, both factors <= 1; the column rows
+      are a second load of the chunk's k and gP rows shifted by BC (L1 hits), so that block I - 1's rows sit in
+      batch I.
+
+    Returns [BT, BT] float32 tiles, zero above the diagonal and off the three bands."""
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                              # [BT, 1] sub-block of each row
+    m_s = ((o_t >= BC) & (t0 + o_t - BC < T_n))[:, None]                    # [BT, 1] shifted rows in the sequence
+    b_dq = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_dk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_sq = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_sk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    o_s = tl.where(o_t >= BC, o_t - BC, 0)                                  # [BT] row of the shifted load
+    for c0 in range(0, K, BKS):
+        o_k = c0 + tl.arange(0, BKS)
+        m = m_s & (o_k < K)[None, :]
+        b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
+        b_dq, b_dk = clamped_step(b_dq, b_dk, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
+        b_Ps = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_s * (HV * K))[:, None] + o_k[None, :], mask=m,
+                       other=0.0)                                           # [BT, BKS] gP of block I - 1 in batch I
+        b_ks = tl.load(k + ((bos + t0) * H + i_h) * K + (o_s * (H * K))[:, None] + o_k[None, :], mask=m,
+                       other=0.0).to(tl.float32)                            # [BT, BKS]
+        b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
+        b_tot = tl.where(s_r == 1, b_t0[None, :], tl.where(s_r == 2, b_t1[None, :], b_t2[None, :]))   # tot_{I-1}
+        b_cs = tl.where(m, b_ks * fast_exp(tl.where(m, b_tot - b_Ps, 0.0)), 0.0)            # [BT, BKS]
+        b_ct = tl.trans(tl.reshape(tf32_operand(b_cs, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
+        b_rho = fast_exp(b_P)                                               # [BT, BKS] exp(G_i - G_r)
+        b_sq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, BKS]), b_ct, b_sq, PREC)
+        b_sk = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, BKS]), b_ct, b_sk, PREC)
+    b_aq, b_ak = clamped_blocks(b_dq, b_dk, BT, BC)
+    return b_aq + block_subdiagonal(b_sq, BT, BC), b_ak + block_subdiagonal(b_sk, BT, BC)
 
 
 @triton.jit
@@ -469,9 +544,15 @@ def chunk_kda_fwd_scores_kernel(
         bounded = False
         if HALVES:
             bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        banded = False
+        if PREC == "tf32":
+            banded = sub_blocks_far(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
         if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                        d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+        elif banded:
+            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
