@@ -350,9 +350,9 @@ def halves_fall_little(b_t0, b_t1, b_t2, b_t3):
 
 
 @triton.jit
-def sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3):
+def sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, LIMIT: tl.constexpr):
     """:func:`sub_blocks_bounded`'s test on the chunk's four sub-block totals ([BK] each)."""
-    return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < HALF_LIMIT
+    return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < LIMIT
 
 
 @triton.jit
@@ -360,17 +360,17 @@ def chunk_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl
     """(:func:`chunk_separable`, :func:`sub_blocks_bounded`) of the chunk at t0 from one load of its sub-block
     totals, for the score gradients' list kernel (chunk_bwd.chunk_kda_bwd_list_kernel), which asks both."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
-    return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
+    return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, HALF_LIMIT)
 
 
 @triton.jit
 def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                       BC: tl.constexpr):
-    """Whether the gate of every channel falls by less than HALF_LIMIT over each 16-row sub-block of the chunk at t0:
-    then its scores split into one product per 32-row half around a row of that half and one product across the
-    halves through row 31 (chunk_wy.halves_scores), every factor a normal float32 number."""
+                       BC: tl.constexpr, LIMIT: tl.constexpr):
+    """Whether the gate of every channel falls by less than LIMIT (<= HALF_LIMIT) over each 16-row sub-block of the
+    chunk at t0: then its scores go by halves, each referred to a row of its own (chunk_wy.halves_scores), every
+    factor a normal float32 number."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
-    return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3)
+    return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, LIMIT)
 
 
 # A gate falling by more than this over a 16-row sub-block in every channel: pairs across that sub-block have

@@ -52,8 +52,8 @@ class LaunchConfig:
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
     scores_stages: int = 3            # software pipelining of its channel loop (1: none); see scores_tma
-    # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 80 go through
-    # three products per channel step (chunk_wy.halves_scores) inside the other chunks' launch
+    # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 60 go through
+    # two products per channel step (chunk_wy.halves_scores) inside the other chunks' launch
     # (chunk_wy.blocked_scores), for 16-bit inputs (float32 takes the blocked scheme: the by-halves launch needs
     # more shared memory than the card has). H200, 2026-12-01, scores kernel ms at 16 x 2048 softplus /
     # lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without them (by the sub-block scheme of then) and 0.95 / 0.72

@@ -6,8 +6,10 @@
 
 as [BT, BKS] x [BKS, BT] tensor-core products per channel step. Two launches: chunks whose gate falls by less than
 HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step
-(:func:`separable_scores`); of the others, those whose gate falls by less than HALF_LIMIT over each 16-row
-sub-block go by halves (:func:`halves_scores`), and the rest by column blocks (:func:`blocked_scores`): each
+(:func:`separable_scores`); of the others, those whose gate falls by less than HALVES_LIMIT over each 16-row
+sub-block go by halves (:func:`halves_scores`), 16-bit inputs whose gate falls by more than BAND_LIMIT over
+sub-blocks 1 and 2 in every channel by bands (:func:`banded_scores`: the diagonal blocks and the ones just below
+them; the rest are below exp(-BAND_LIMIT)), and the rest by column blocks (:func:`blocked_scores`): each
 16-row block of columns against the rows after it, with factors all <= 1 linked between blocks by per-channel
 vectors, so nothing overflows at any gate. Their diagonal blocks take a pass of their own: one batched product
 through gate steps clamped at -DIAG_CLAMP for 16-bit inputs (:func:`clamped_diagonal`; strong decay, e.g.
@@ -468,6 +470,14 @@ def separable_scores(
     return b_aq, b_ak
 
 
+# The forward's bound on a sub-block's fall for the halves path: its rows of half 1 carry exp(D) up to exp(60)
+# against columns across the halves <= 1, so a column factor that underflows (below exp(-87)) drops a term below
+# exp(-27); at 80 (HALF_LIMIT, the score gradients' bound) that would be exp(-7). Two products a step where
+# three ran with the bound at 80 (H100, 16 x 2048, bench/kda_ab.py: K3's saturated gates' scores 0.855 -> 0.748 ms;
+# the mild regimes' within 0.015 ms)
+HALVES_LIMIT: tl.constexpr = tl.constexpr(60.0)
+
+
 @triton.jit
 def halves_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
@@ -475,16 +485,18 @@ def halves_scores(
     BKS: tl.constexpr, PREC: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """The scores of a chunk whose every sub-block's gate sum is above -HALF_LIMIT
-    (chunk_common.sub_blocks_bounded) but that is not separable as a whole: three products per channel step, each
-    entry from exactly one of them (their operands are zero outside their rows and columns):
+    """The scores of a chunk whose every sub-block's gate sum is above -HALVES_LIMIT (:func:`sub_blocks_bounded`)
+    but that is not separable as a whole, two products per matrix and channel step with rows ``q_i exp(D_i)``
+    (``k_i exp(D_i)``), ``D = G - R`` and R the last row of the row's half's first sub-block (row 15 or 47), so
+    ``D = gP - tot`` on sub-blocks 0 and 2 and ``D = gP`` on 1 and 3 (|D| < HALVES_LIMIT, no sum over more than
+    16 rows):
 
-    * inside half 0 (rows 0-31) and inside half 1 (32-63): rows ``q_i exp(D_i)``, columns ``k_j exp(-D_j)`` with
-      ``D = G - R`` and R the last row of the half's first sub-block (row 15 or 47), so ``D = gP - tot`` on
-      sub-blocks 0 and 2 and ``D = gP`` on 1 and 3: |D| < HALF_LIMIT, and no sum over more than 16 rows;
-    * across (rows of half 1, columns of half 0), through row 31: ``exp(G_i - G_31) exp(G_31 - G_j)``, both <= 1.
+    * rows of half 0 against columns ``k_j exp(-D_j)``;
+    * rows of half 1 against the same columns of half 1 and, across the halves, columns of half 0 referred to row
+      47 as well: ``k_j exp(G_47 - G_j) = k_j exp(X_j + tot_2)`` (X: chunk_common.halves_exponents), <= 1.
 
-    As in :func:`separable_scores`, only dropped entries (j > i) can overflow."""
+    Only dropped entries (j > i) can overflow, as in :func:`separable_scores`. A factor across the halves underflows
+    at most HALVES_LIMIT above where the exact one does: below exp(HALVES_LIMIT - 87) = 1.9e-12."""
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     m_h1 = s_r >= 2                                                        # [BT, 1] rows of half 1
@@ -495,22 +507,18 @@ def halves_scores(
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)           # [BT, BKS]
         b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
         b_D, b_X = halves_exponents(b_P, b_t0, b_t1, b_t2, s_r)                # [BT, BKS] x2
-        b_eD = fast_exp(b_D)
-        b_eX = fast_exp(b_X)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_kc = tf32_operand(b_k * fast_exp(-b_D), PREC)                    # [BT, BKS] same-half columns
-        b_ct0 = tl.trans(tl.where(m_h1, 0.0, b_kc))                        # [BKS, BT]
-        b_ct1 = tl.trans(tl.where(m_h1, b_kc, 0.0))
-        b_ctx = tl.trans(tf32_operand(tl.where(m_h1, 0.0, b_k * b_eX), PREC))   # cross columns (half 0)
+        b_kc = b_k * fast_exp(-b_D)                                        # [BT, BKS] same-half columns
+        b_c0 = tl.trans(tf32_operand(b_kc, PREC))                          # [BKS, BT] for rows of half 0
+        b_c1 = tl.trans(tf32_operand(tl.where(m_h1, b_kc, b_k * fast_exp(b_X + b_t2[None, :])), PREC))
+        b_eD = fast_exp(b_D)
         b_qr = tf32_operand(b_q * b_eD, PREC)                              # [BT, BKS]
         b_kr = tf32_operand(b_k * b_eD, PREC)
-        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_ct0, b_aq, PREC)
-        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_ct1, b_aq, PREC)
-        b_aq = mm_rounded(tf32_operand(tl.where(m_h1, b_q * b_eX, 0.0), PREC), b_ctx, b_aq, PREC)
-        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_ct0, b_ak, PREC)
-        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_ct1, b_ak, PREC)
-        b_ak = mm_rounded(tf32_operand(tl.where(m_h1, b_k * b_eX, 0.0), PREC), b_ctx, b_ak, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_c0, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_c1, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_c0, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_c1, b_ak, PREC)
     return b_aq, b_ak
 
 
@@ -543,7 +551,7 @@ def chunk_kda_fwd_scores_kernel(
     elif not sep:
         bounded = False
         if HALVES:
-            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, HALVES_LIMIT)
         banded = False
         if PREC == "tf32":
             banded = sub_blocks_far(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
