@@ -270,72 +270,46 @@ def banded_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     PREC: tl.constexpr,
-    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
     """Aqk and Akk of a chunk of 16-bit inputs whose gate falls by more than BAND_LIMIT over sub-blocks 1 and 2 in
-    every channel (chunk_common.sub_blocks_far): a pair two or more sub-blocks apart then has every factor
-    below exp(-BAND_LIMIT) and is left at zero (see BAND_LIMIT), so per 16-channel step two batched products per
-    matrix over the four sub-blocks ([NB, BC, 16] x [NB, 16, BC] each, a quarter of a [BT, BT] product's work):
+    every channel (chunk_common.sub_blocks_fall_far): a pair two or more sub-blocks apart then has every factor
+    below exp(-BAND_LIMIT) and is left at zero (see BAND_LIMIT), so per channel step two batched products per
+    matrix over the four sub-blocks ([NB, BC, BKS] x [NB, BKS, BC] each, a quarter of a [BT, BT] product's work):
 
     * the diagonal blocks, through clamped gate steps (:func:`clamped_step`, as :func:`clamped_diagonal`);
     * the blocks (I, I - 1) below them, through the row r before sub-block I: rows ``q_i exp(G_i - G_r) =
-      q_i exp(gP_i)``, columns ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j)``, both factors <= 1 (:func:`band_step`).
+      q_i exp(gP_i)``, columns ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j)``, both factors <= 1; the column rows
+      are a second load of the chunk's k and gP rows shifted by BC (L1 hits), so that block I - 1's rows sit in
+      batch I.
 
-    The launch's tiles (BKS channels, through the descriptors ``d_*`` with ``TMA``, :func:`chunk_tile`) are split
-    in registers into 16-channel halves. Returns [BT, BT] float32 tiles, zero above the diagonal and off the three
-    bands."""
+    Returns [BT, BT] float32 tiles, zero above the diagonal and off the three bands."""
     NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                              # [BT, 1] sub-block of each row
+    m_s = ((o_t >= BC) & (t0 + o_t - BC < T_n))[:, None]                    # [BT, 1] shifted rows in the sequence
     b_dq = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_dk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_sq = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_sk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    o_s = tl.where(o_t >= BC, o_t - BC, 0)                                  # [BT] row of the shifted load
     for c0 in range(0, K, BKS):
-        b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)              # [BT, BKS]
-        b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-        if BKS >= 32:
-            b_P0, b_P1 = channel_halves(b_P)
-            b_y0, b_y1 = channel_halves(b_k)
-            b_x0, b_x1 = channel_halves(b_q)
-            b_dq, b_dk, b_sq, b_sk = band_step(b_dq, b_dk, b_sq, b_sk, b_x0, b_y0, b_P0, k, gP, bos, t0, T_n,
-                                               i_h, i_hv, H, HV, K, c0, BT, BC, PREC)
-            b_dq, b_dk, b_sq, b_sk = band_step(b_dq, b_dk, b_sq, b_sk, b_x1, b_y1, b_P1, k, gP, bos, t0, T_n,
-                                               i_h, i_hv, H, HV, K, c0 + BKS // 2, BT, BC, PREC)
-        else:
-            b_dq, b_dk, b_sq, b_sk = band_step(b_dq, b_dk, b_sq, b_sk, b_q, b_k, b_P, k, gP, bos, t0, T_n,
-                                               i_h, i_hv, H, HV, K, c0, BT, BC, PREC)
+        o_k = c0 + tl.arange(0, BKS)
+        m = m_s & (o_k < K)[None, :]
+        b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
+        b_dq, b_dk = clamped_step(b_dq, b_dk, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
+        b_Ps = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_s * (HV * K))[:, None] + o_k[None, :], mask=m,
+                       other=0.0)                                           # [BT, BKS] gP of block I - 1 in batch I
+        b_ks = tl.load(k + ((bos + t0) * H + i_h) * K + (o_s * (H * K))[:, None] + o_k[None, :], mask=m,
+                       other=0.0).to(tl.float32)                            # [BT, BKS]
+        b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
+        b_tot = tl.where(s_r == 1, b_t0[None, :], tl.where(s_r == 2, b_t1[None, :], b_t2[None, :]))   # tot_{I-1}
+        b_cs = tl.where(m, b_ks * fast_exp(tl.where(m, b_tot - b_Ps, 0.0)), 0.0)            # [BT, BKS]
+        b_ct = tl.trans(tl.reshape(tf32_operand(b_cs, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
+        b_rho = fast_exp(b_P)                                               # [BT, BKS] exp(G_i - G_r)
+        b_sq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, BKS]), b_ct, b_sq, PREC)
+        b_sk = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, BKS]), b_ct, b_sk, PREC)
     b_aq, b_ak = clamped_blocks(b_dq, b_dk, BT, BC)
     return b_aq + block_subdiagonal(b_sq, BT, BC), b_ak + block_subdiagonal(b_sk, BT, BC)
-
-
-@triton.jit
-def band_step(b_dq, b_dk, b_sq, b_sk, b_q, b_k, b_P, k, gP, bos, t0, T_n, i_h, i_hv,
-              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, c0, BT: tl.constexpr, BC: tl.constexpr,
-              PREC: tl.constexpr):
-    """One channel step of :func:`banded_scores` from the step's q, k, gP tiles ([BT, W] float32, channels c0 ..
-    c0 + W), added to its [NB, BC, BC] tiles: the diagonal blocks (b_dq, b_dk) and the blocks below them (b_sq,
-    b_sk). The columns of the blocks below are a second load of the chunk's k and gP rows shifted by BC (L2
-    hits), so that block I - 1's rows sit in batch I."""
-    NB: tl.constexpr = BT // BC
-    W: tl.constexpr = b_P.shape[1]
-    o_k = c0 + tl.arange(0, W)
-    o_t = tl.arange(0, BT)
-    s_r = (o_t // BC)[:, None]                                              # [BT, 1] sub-block of each row
-    b_dq, b_dk = clamped_step(b_dq, b_dk, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
-    m = ((o_t >= BC) & (t0 + o_t - BC < T_n))[:, None] & (o_k < K)[None, :]   # [BT, W] shifted rows in the sequence
-    o_s = tl.where(o_t >= BC, o_t - BC, 0)                                  # [BT] row of the shifted load
-    b_Ps = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_s * (HV * K))[:, None] + o_k[None, :], mask=m,
-                   other=0.0)                                               # [BT, W] gP of block I - 1 in batch I
-    b_ks = tl.load(k + ((bos + t0) * H + i_h) * K + (o_s * (H * K))[:, None] + o_k[None, :], mask=m,
-                   other=0.0).to(tl.float32)                                # [BT, W]
-    b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [W] x3
-    b_tot = tl.where(s_r == 1, b_t0[None, :], tl.where(s_r == 2, b_t1[None, :], b_t2[None, :]))   # tot_{I-1}
-    b_cs = tl.where(m, b_ks * fast_exp(tl.where(m, b_tot - b_Ps, 0.0)), 0.0)           # [BT, W]
-    b_ct = tl.trans(tl.reshape(tf32_operand(b_cs, PREC), [NB, BC, W]), 0, 2, 1)      # [NB, W, BC]
-    b_rho = fast_exp(b_P)                                                   # [BT, W] exp(G_i - G_r)
-    b_sq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, W]), b_ct, b_sq, PREC)
-    b_sk = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, W]), b_ct, b_sk, PREC)
-    return b_dq, b_dk, b_sq, b_sk
 
 
 @triton.jit
@@ -586,8 +560,7 @@ def chunk_kda_fwd_scores_kernel(
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         elif banded:
-            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                       d_q, d_k, d_gP, TMA)
+            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
