@@ -286,6 +286,34 @@ def test_strong_decay_gradients(case, dtype, monkeypatch):
     assert calls, "the strong path was not taken"
 
 
+@pytest.mark.parametrize("fall", [20.5, 19.5])
+def test_banded_score_gradients(fall, monkeypatch):
+    """bf16 chunks whose every channel falls by ``fall`` over each 16-row sub-block (20.5: past BAND_LIMIT, so the
+    score gradients of their sub-blocks go against the neighbouring sub-blocks only, chunk_bwd.band_grads, counted;
+    19.5: short of it, against every earlier column and later row) beside channels falling by about 200 a
+    sub-block (so no chunk is bounded per sub-block) and -1000 steps, GVA, an initial state, packed sequences of 144
+    and 112 tokens (the second's last chunk of 48 rows banded too). Every gradient against the float64 reference
+    at the file's bf16 bar."""
+    from kimi_linear.ops.triton import chunk_bwd
+
+    band = spy_calls(monkeypatch, chunk_bwd, "band_grads")
+    sub_blocks = spy_calls(monkeypatch, chunk_bwd, "sub_block_grads")
+    T, K = 256, 32
+    x = make_inputs(B=1, T=T, H=1, HV=2, K=K, V=16, N=2, dtype=torch.bfloat16, seed=84)
+    u = torch.rand(T, 2, K, generator=torch.Generator().manual_seed(85), dtype=torch.float64)
+    blocks = u.reshape(-1, 16, 2, K)                     # 16-row sub-blocks of the packed rows
+    mild = (-fall * blocks / blocks.sum(1, keepdim=True)).reshape(T, 2, K)
+    steps = torch.where(torch.arange(K) % 2 == 0, mild, -12.5 * (0.5 + u))
+    steps[::11, :, 1::4] = -1000.0
+    x["g"] = steps[None].to(torch.bfloat16)
+    check(x, bar=2e-2, cu_seqlens=torch.tensor([0, 144, 256]))
+    # chunks: 144 tokens -> 3 (the last of 16 rows), 112 -> 2 (the last of 48); 2 value heads, 4 sub-blocks each.
+    # Banded: all but the one of 16 rows, whose sub-blocks 1 and 2 lie past its end
+    assert len(sub_blocks) == 2 * 4 * (3 + 2), len(sub_blocks)
+    banded = 2 * 4 * (2 + 2) if fall > 20 else 0
+    assert len(band) == banded, (len(band), banded)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_score_gradients_by_halves(dtype, varlen, monkeypatch):

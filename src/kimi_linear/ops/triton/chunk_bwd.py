@@ -60,6 +60,7 @@ from .chunk_common import (
     store_rows,
     sub_block_total,
     sub_block_totals,
+    sub_blocks_far,
     tf32_operand,
 )
 from .fastmath import fast_exp
@@ -337,7 +338,7 @@ def chunk_kda_bwd_listed_kernel(
     cu_seqlens, chunk_indices,
     T, NT, L,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, SUB: tl.constexpr,
+    BKA: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr, SUB: tl.constexpr,
 ):
     """The score gradients of the listed chunks by a fixed number of programs looping over a list, so that where
     no chunk needs a scheme its launch costs its few programs: by halves (:func:`halves_grads`, key block by key
@@ -358,43 +359,82 @@ def chunk_kda_bwd_listed_kernel(
         _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
         if SUB:
             sub_block_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, (it % NW) // NK, T_n,
-                            it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+                            it % NK, i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, BKA, USE_QK_L2NORM, PREC)
         else:
             halves_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, i_t * BT, T_n, it % NK,
                          i_hv // (HV // H), i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
+
+
+@triton.jit
+def band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_PS, b_eS, i_h, i_hv,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr):
+    """(dq, dk from rows, dk from columns) of sub-block S's rows and columns against the neighbouring sub-blocks
+    only, [BC, BK] each, for a chunk the forward took by bands (chunk_wy.banded_scores: every other pair's factor
+    is below exp(-BAND_LIMIT) in every channel, and its score zero): S's rows against the columns of S - 1
+    through the row before S, ``exp(gP_i) exp(tot_{S-1} - gP_j)``, and S's columns against the rows of S + 1
+    through S's last row, ``exp(gP_i) exp(tot_S - gP_j)``, all factors <= 1; [BC, BC] x [BC, BK] products where
+    the chunk-wide form takes [BC, BT] x [BT, BK] ones. ``b_PS``, ``b_eS``: gP of S's rows and its exponential."""
+    o_j = tl.arange(0, BC)
+    rP = t0 + tl.maximum(S - 1, 0) * BC                     # sub-block S - 1 (S itself when S = 0: zeroed below)
+    rN = t0 + tl.minimum(S + 1, 3) * BC                     # sub-block S + 1 (S itself when S = 3: zeroed below)
+    b_rqP, b_rkP = load_norms(rq, rk, bos, rP, T_n, i_h, H, BC, USE_QK_L2NORM)        # [BC] x2
+    b_kP = load_rows(k, bos, rP, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkP[:, None]    # [BC, BK]
+    b_tP = sub_block_total(gP, bos, t0, tl.maximum(S - 1, 0), T_n, i_hv, HV, K, o_k, BC)  # [BK]
+    b_c = tl.where(S > 0, b_kP * tl.exp(b_tP[None, :] - load_rows(gP, bos, rP, T_n, i_hv, HV, K, o_k, BC)), 0.0)
+    c_P = (rP - t0) + o_j                                                             # [BC] columns of S - 1
+    b_dq = mm(load_rows(dAqk, bos, t0 + S * BC, T_n, i_hv, HV, BT, c_P, BC), b_c, PREC) * b_eS      # [BC, BK]
+    b_dkr = mm(load_rows(dAkk, bos, t0 + S * BC, T_n, i_hv, HV, BT, c_P, BC), b_c, PREC) * b_eS
+    b_rqN, b_rkN = load_norms(rq, rk, bos, rN, T_n, i_h, H, BC, USE_QK_L2NORM)        # [BC] x2
+    b_f = tl.where(S < 3, tl.exp(load_rows(gP, bos, rN, T_n, i_hv, HV, K, o_k, BC)), 0.0)   # [BC, BK]
+    b_qN = load_rows(q, bos, rN, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rqN[:, None]
+    b_kN = load_rows(k, bos, rN, T_n, i_h, H, K, o_k, BC).to(tl.float32) * b_rkN[:, None]
+    c_S = S * BC + o_j                                                                # [BC] columns of S
+    b_dkc = (mm(tl.trans(load_rows(dAqk, bos, rN, T_n, i_hv, HV, BT, c_S, BC)), b_qN * b_f, PREC)
+             + mm(tl.trans(load_rows(dAkk, bos, rN, T_n, i_hv, HV, BT, c_S, BC)), b_kN * b_f, PREC))  # [BC, BK]
+    b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
+    return b_dq, b_dkr, b_dkc
 
 
 @triton.jit(noinline=True)
 def sub_block_grads(
     q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, S, T_n, i_k, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
+    BKA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The score gradients of the rows of sub-block S (key block i_k) added to the inter kernel's parts."""
+    """The score gradients of the rows of sub-block S (key block i_k) added to the inter kernel's parts: against
+    the neighbouring sub-blocks only in a chunk the forward took by bands (:func:`band_grads`), else against every
+    earlier column and every later row."""
     rS = t0 + S * BC
     o_k = i_k * BK + tl.arange(0, BK)
     o_j = tl.arange(0, BC)
-    o_t = tl.arange(0, BT)
     m_r = (rS + o_j) < T_n
-    b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                          # [BT, BK]
-    b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x3
-    b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)          # [BT] x2
-    b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]     # [BT, BK]
     b_PS = load_rows(gP, bos, rS, T_n, i_hv, HV, K, o_k, BC)                         # [BC, BK]
     b_eS = tl.exp(b_PS)
-
-    # Rows of S against every earlier column, factored through the row before S (as the forward scores): one
-    # product with S's [BC, BT] row block of dA (its columns from S on meet zero rows of the operand).
-    b_c = b_k * earlier_factor(b_P, b_t0, b_t1, b_t2, S, BT, BC)                    # [BT, BK]
-    b_dq = mm(load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, o_t, BC), b_c, PREC) * b_eS         # [BC, BK]
-    b_dkr = mm(load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, o_t, BC), b_c, PREC) * b_eS        # [BC, BK]
-    # Columns of S against every later row, factored through S's last row: S's [BT, BC] column block of dA.
-    b_f = later_factor(b_P, b_t1, b_t2, S, BT, BC)                                    # [BT, BK]
-    b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]     # [BT, BK]
-    b_dAqc = load_rows(dAqk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
-    b_dAkc = load_rows(dAkk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
-    b_dkc = mm(tl.trans(b_dAqc), b_q * b_f, PREC) + mm(tl.trans(b_dAkc), b_k * b_f, PREC)     # [BC, BK]
-    b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
+    far = False
+    if PREC != "ieee":
+        far = sub_blocks_far(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
+    if far:
+        b_dq, b_dkr, b_dkc = band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_PS, b_eS, i_h, i_hv,
+                                        H, HV, K, BT, BC, USE_QK_L2NORM, PREC)
+    else:
+        o_t = tl.arange(0, BT)
+        b_P = load_rows(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT)                          # [BT, BK]
+        b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x3
+        b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)          # [BT] x2
+        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]     # [BT, BK]
+        # Rows of S against every earlier column, factored through the row before S (as the forward scores): one
+        # product with S's [BC, BT] row block of dA (its columns from S on meet zero rows of the operand).
+        b_c = b_k * earlier_factor(b_P, b_t0, b_t1, b_t2, S, BT, BC)                    # [BT, BK]
+        b_dq = mm(load_rows(dAqk, bos, rS, T_n, i_hv, HV, BT, o_t, BC), b_c, PREC) * b_eS         # [BC, BK]
+        b_dkr = mm(load_rows(dAkk, bos, rS, T_n, i_hv, HV, BT, o_t, BC), b_c, PREC) * b_eS        # [BC, BK]
+        # Columns of S against every later row, factored through S's last row: S's [BT, BC] column block of dA.
+        b_f = later_factor(b_P, b_t1, b_t2, S, BT, BC)                                    # [BT, BK]
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]     # [BT, BK]
+        b_dAqc = load_rows(dAqk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
+        b_dAkc = load_rows(dAkk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
+        b_dkc = mm(tl.trans(b_dAqc), b_q * b_f, PREC) + mm(tl.trans(b_dAkc), b_k * b_f, PREC)     # [BC, BK]
+        b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
 
     # The diagonal block.
     b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2

@@ -536,7 +536,7 @@ def chunk_kda_bwd_pipeline(
     chunks = torch.empty(L, dtype=torch.int32, device=q.device)
     chunk_kda_bwd_list_kernel[(p.NT, HV)](gP=x.gP, chunks=chunks, count=count, **p.varlen(), T=T, NT=p.NT_seq, L=L,
                                           HV=HV, K=K, BT=BT, BC=BC, BKA=p.BK, IS_VARLEN=IS_VARLEN, HALVES=by_halves)
-    listed = dict({n: v for n, v in intra.items() if n not in ("BK", "BKA", "num_warps")}, chunks=chunks,
+    listed = dict({n: v for n, v in intra.items() if n not in ("BK", "num_warps")}, chunks=chunks,
                   count=count, L=L)
     if by_halves:
         chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
