@@ -18,9 +18,10 @@ The reverse scan wrote dvn = scale Aqk^T do + kg dS'. Then, with ``hat`` the l2-
   forward scores: :func:`chunk_kda_bwd_intra_kernel` (chunk, key block, value head) takes the separable chunks
   whole in four products; :func:`chunk_kda_bwd_list_kernel` lists the others, and
   :func:`chunk_kda_bwd_listed_kernel` takes them by halves (16-bit inputs, chunks bounded per sub-block) or by
-  16-row sub-blocks (every earlier column in one product, every later row in one product, the diagonal block by
-  ``exp(gP_i) exp(-gP_j)`` or, under strong decay, by the forward's four levels of reference rows:
-  :func:`diagonal_grads`).
+  16-row sub-blocks (every earlier column in one product, every later row in one product, or in a chunk the
+  forward took by bands only the neighbouring sub-blocks, :func:`band_grads`; the diagonal block by
+  ``exp(gP_i) exp(-gP_j)`` or, under strong decay, by the clamped gate steps or the forward's four levels of
+  reference rows: :func:`diagonal_grads`).
 - :func:`chunk_kda_bwd_gate_kernel` (chunk, key block, value head): dg = the reverse cumulative sum of dG inside the
   chunk, and the gate formula's backward (dg raw, and partial sums for dA_log, ddt_bias).
 - :func:`chunk_kda_bwd_qk_kernel` (chunk, q/k head): sums the value heads of a group (GVA) and runs the l2norm
