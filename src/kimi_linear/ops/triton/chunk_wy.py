@@ -272,14 +272,14 @@ def banded_scores(
     PREC: tl.constexpr,
 ):
     """Aqk and Akk of a chunk of 16-bit inputs whose gate falls by more than BAND_LIMIT over sub-blocks 1 and 2 in
-    every channel (chunk_common.sub_blocks_fall_far): a pair two or more sub-blocks apart then has every factor
+    every channel (chunk_common.sub_blocks_far): a pair two or more sub-blocks apart then has every factor
     below exp(-BAND_LIMIT) and is left at zero (see BAND_LIMIT), so per channel step two batched products per
     matrix over the four sub-blocks ([NB, BC, BKS] x [NB, BKS, BC] each, a quarter of a [BT, BT] product's work):
 
     * the diagonal blocks, through clamped gate steps (:func:`clamped_step`, as :func:`clamped_diagonal`);
     * the blocks (I, I - 1) below them, through the row r before sub-block I: rows ``q_i exp(G_i - G_r) =
       q_i exp(gP_i)``, columns ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j)``, both factors <= 1; the column rows
-      are a second load of the chunk's k and gP rows shifted by BC (L1 hits), so that block I - 1's rows sit in
+      are a second load of the chunk's k and gP rows shifted by BC (cache hits), so that block I - 1's rows sit in
       batch I.
 
     Returns [BT, BT] float32 tiles, zero above the diagonal and off the three bands."""
