@@ -235,7 +235,7 @@ def clamped_diagonal_grads(b_dq, b_dkr, b_dkc, b_dG, b_dAq, b_dAk, b_q, b_k, b_P
     four [BC, BC] x [BC, BK] products, one set for the block, where the levels take four sets. dG comes from the
     rounded operands themselves, as in :func:`diagonal_level_grads`, so each pair's row and column shares cancel.
     dA is strictly lower: a kept pair j < i has ``c_j >= c_i``, so ``e_i / e_j <= 1`` and nothing overflows."""
-    b_e, b_ie, _ = clamped_diagonal_factors(gP, b_P, bos, r0, T_n, i_hv, HV, K, o_k, BC, BC, "tf32x3")   # [BC, BK] x2
+    b_e, b_ie = clamped_diagonal_factors(gP, b_P, bos, r0, T_n, i_hv, HV, K, o_k, BC, BC, "tf32x3")   # [BC, BK] x2
     b_aq = tf32_operand(b_dAq, PREC)
     b_ak = tf32_operand(b_dAk, PREC)
     b_qr = tf32_operand(b_q * b_e, PREC)

@@ -475,9 +475,8 @@ DIAG_CLAMP: tl.constexpr = tl.constexpr(10.0)
 def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, o_k,
                              BT: tl.constexpr, BC: tl.constexpr, STEPS_PREC: tl.constexpr):
     """Row and column factors ``exp(c_i - m)``, ``exp(m - c_j)`` ([BT, BKS] float32 each, zero on rows past T_n)
-    whose product is the diagonal blocks' ``exp(gP_i - gP_j)`` at any gate, to 16-bit precision, and their exponent
-    ``c - m``: ``c`` sums the gate's steps clamped at -DIAG_CLAMP from the sub-block's first row, ``m`` is the
-    midpoint of ``c`` over each 16-row sub-block.
+    whose product is the diagonal blocks' ``exp(gP_i - gP_j)`` at any gate, to 16-bit precision: ``c`` sums the
+    gate's steps clamped at -DIAG_CLAMP, ``m`` is the midpoint of ``c`` over each 16-row sub-block.
 
     Where no step between j and i is clamped, ``c_i - c_j = gP_i - gP_j``; where one is, both the exact factor and
     the clamped one are below exp(-DIAG_CLAMP). Each sub-block's ``c`` falls by at most 15 DIAG_CLAMP, so both
@@ -504,7 +503,7 @@ def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: t
     o_s = o_t // BC
     b_M = tl.where(o_s[:, None] == o_s[None, :], tl.where(o_t[None, :] <= o_t[:, None], 0.5, -0.5), 0.0)
     b_x = mm(b_M, b_s, STEPS_PREC)                                          # [BT, BKS], |b_x| <= 75
-    return tl.where(m_t[:, None], fast_exp(b_x), 0.0), tl.where(m_t[:, None], fast_exp(-b_x), 0.0), b_x
+    return tl.where(m_t[:, None], fast_exp(b_x), 0.0), tl.where(m_t[:, None], fast_exp(-b_x), 0.0)
 
 
 @triton.jit

@@ -238,7 +238,7 @@ def clamped_step(b_aq, b_ak, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV: tl.const
     its [NB, BC, BC] tiles."""
     NB: tl.constexpr = BT // BC
     BKS: tl.constexpr = b_P.shape[1]
-    b_rf, b_cf, _ = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
+    b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
     b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
     b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
     b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
@@ -273,49 +273,41 @@ def banded_scores(
 ):
     """Aqk and Akk of a chunk of 16-bit inputs whose gate falls by more than BAND_LIMIT over sub-blocks 1 and 2 in
     every channel (chunk_common.sub_blocks_far): a pair two or more sub-blocks apart then has every factor
-    below exp(-BAND_LIMIT) and is left at zero (see BAND_LIMIT). The rows of sub-block I take the clamped
-    diagonal's row factors ``exp(c_i - m_I)`` (chunk_common.clamped_diagonal_factors) against both blocks they
-    meet, so per channel step one batched product per matrix ([NB, BC, BKS] x [NB, BKS, 2 BC]):
+    below exp(-BAND_LIMIT) and is left at zero (see BAND_LIMIT), so per channel step two batched products per
+    matrix over the four sub-blocks ([NB, BC, BKS] x [NB, BKS, BC] each, a quarter of a [BT, BT] product's work):
 
-    * columns of block I: ``k_j exp(m_I - c_j)``, the clamped diagonal (:func:`clamped_diagonal`);
-    * columns of block I - 1: ``k_j exp(mu_I + tot_{I-1} - gP_j)`` with ``mu_I = gP_f + m_I`` (f: I's first row),
-      so that where no step of I up to row i is clamped ``c_i - m_I + mu_I = gP_i`` and the pair's factor is the
-      exact ``exp(gP_i) exp(tot_{I-1} - gP_j) = exp(G_i - G_j)``; where one is, ``c_i <= -DIAG_CLAMP`` and both
-      that factor and the exact one are below exp(-DIAG_CLAMP), as on the diagonal. ``mu_I <= 0`` and
-      ``tot_{I-1} - gP_j <= 0``: the columns are <= 1. Block I - 1's rows are a second load of the chunk's k and
-      gP rows shifted by BC (cache hits), so that they sit in batch I.
+    * the diagonal blocks, through clamped gate steps (:func:`clamped_step`, as :func:`clamped_diagonal`);
+    * the blocks (I, I - 1) below them, through the row r before sub-block I: rows ``q_i exp(G_i - G_r) =
+      q_i exp(gP_i)``, columns ``k_j exp(G_r - G_j) = k_j exp(tot_J - gP_j)``, both factors <= 1; the column rows
+      are a second load of the chunk's k and gP rows shifted by BC (cache hits), so that block I - 1's rows sit in
+      batch I.
 
     Returns [BT, BT] float32 tiles, zero above the diagonal and off the three bands."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                              # [BT, 1] sub-block of each row
     m_s = ((o_t >= BC) & (t0 + o_t - BC < T_n))[:, None]                    # [BT, 1] shifted rows in the sequence
-    m_f = ((tl.arange(0, BC) == 0)[None, :, None])                          # [1, BC, 1] a block's first row
-    b_aq = tl.zeros([NB, BC, 2 * BC], dtype=tl.float32)                    # [:, :, :BC] block (I, I - 1),
-    b_ak = tl.zeros([NB, BC, 2 * BC], dtype=tl.float32)                    # [:, :, BC:] block (I, I)
+    b_dq = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_dk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_sq = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    b_sk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     o_s = tl.where(o_t >= BC, o_t - BC, 0)                                  # [BT] row of the shifted load
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         m = m_s & (o_k < K)[None, :]
         b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
-        b_rf, b_cf, b_x = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")
-        # mu_I = gP - (c - m) at block I's first row (c is 0 there), on every row of the block
-        b_mu = tl.sum(tl.where(m_f, tl.reshape(b_P - b_x, [NB, BC, BKS]), 0.0), 1)     # [NB, BKS]
-        b_mu = tl.reshape(tl.broadcast_to(b_mu[:, None, :], [NB, BC, BKS]), [BT, BKS])
+        b_dq, b_dk = clamped_step(b_dq, b_dk, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
         b_Ps = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_s * (HV * K))[:, None] + o_k[None, :], mask=m,
                        other=0.0)                                           # [BT, BKS] gP of block I - 1 in batch I
         b_ks = tl.load(k + ((bos + t0) * H + i_h) * K + (o_s * (H * K))[:, None] + o_k[None, :], mask=m,
                        other=0.0).to(tl.float32)                            # [BT, BKS]
         b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
         b_tot = tl.where(s_r == 1, b_t0[None, :], tl.where(s_r == 2, b_t1[None, :], b_t2[None, :]))   # tot_{I-1}
-        b_cs = tl.where(m, b_ks * fast_exp(tl.where(m, b_mu + b_tot - b_Ps, 0.0)), 0.0)   # [BT, BKS]
-        b_cs = tl.reshape(tf32_operand(b_cs, PREC), [NB, BC, BKS])
-        b_cd = tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS])
-        b_ct = tl.reshape(tl.permute(tl.join(b_cs, b_cd), (0, 2, 3, 1)), [NB, BKS, 2 * BC])   # [NB, BKS, 2 BC]
-        b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
-        b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
-    b_sq, b_dq = tl.split(tl.permute(tl.reshape(b_aq, [NB, BC, 2, BC]), (0, 1, 3, 2)))   # [NB, BC, BC] x2
-    b_sk, b_dk = tl.split(tl.permute(tl.reshape(b_ak, [NB, BC, 2, BC]), (0, 1, 3, 2)))
+        b_cs = tl.where(m, b_ks * fast_exp(tl.where(m, b_tot - b_Ps, 0.0)), 0.0)            # [BT, BKS]
+        b_ct = tl.trans(tl.reshape(tf32_operand(b_cs, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
+        b_rho = fast_exp(b_P)                                               # [BT, BKS] exp(G_i - G_r)
+        b_sq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rho, PREC), [NB, BC, BKS]), b_ct, b_sq, PREC)
+        b_sk = mm_rounded(tl.reshape(tf32_operand(b_k * b_rho, PREC), [NB, BC, BKS]), b_ct, b_sk, PREC)
     b_aq, b_ak = clamped_blocks(b_dq, b_dk, BT, BC)
     return b_aq + block_subdiagonal(b_sq, BT, BC), b_ak + block_subdiagonal(b_sk, BT, BC)
 
@@ -563,12 +555,12 @@ def chunk_kda_fwd_scores_kernel(
         banded = False
         if PREC == "tf32":
             banded = sub_blocks_far(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
-        if banded:
-            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
-            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
-        elif bounded:
+        if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                        d_q, d_k, d_gP, TMA)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+        elif banded:
+            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
