@@ -537,7 +537,7 @@ def halves_grads(
     USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """The score gradients of a chunk that is not separable but whose gate falls by less than HALF_LIMIT over every
-    16-row sub-block (chunk_common.sub_blocks_bounded), all 64 rows at once (key block i_k), by the factorisation
+    16-row sub-block (chunk_common.sub_blocks_fall_little), all 64 rows at once (key block i_k), by the factorisation
     of the forward's scores by halves (chunk_wy.halves_scores; D and X: chunk_common.halves_exponents). Each entry
     of dA lies inside a 32-row half (``dA_h``: factors ``E = exp(D)`` on rows, ``1 / E`` on columns) or across them
     (``dA_x``, rows 32-63 and columns 0-31: ``F = exp(X)`` on both, <= 1), so each product of

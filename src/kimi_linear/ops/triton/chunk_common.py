@@ -351,26 +351,28 @@ def halves_fall_little(b_t0, b_t1, b_t2, b_t3):
 
 @triton.jit
 def sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, LIMIT: tl.constexpr):
-    """:func:`sub_blocks_bounded`'s test on the chunk's four sub-block totals ([BK] each)."""
+    """Whether the gate of every channel falls by less than LIMIT (<= HALF_LIMIT) over each 16-row sub-block, from
+    the chunk's four sub-block totals ([BK] each): then its scores go by halves, each referred to a row of its own
+    (chunk_wy.halves_scores, chunk_bwd.halves_grads), every factor a normal float32 number."""
     return -tl.min(tl.minimum(tl.minimum(b_t0, b_t1), tl.minimum(b_t2, b_t3))) < LIMIT
 
 
 @triton.jit
 def chunk_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
-    """(:func:`chunk_separable`, :func:`sub_blocks_bounded`) of the chunk at t0 from one load of its sub-block
-    totals, for the score gradients' list kernel (chunk_bwd.chunk_kda_bwd_list_kernel), which asks both."""
+    """(:func:`chunk_separable`, :func:`sub_blocks_fall_little` at HALF_LIMIT) of the chunk at t0 from one load of its
+    sub-block totals, for the score gradients' list kernel (chunk_bwd.chunk_kda_bwd_list_kernel), which asks both."""
     b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
     return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, HALF_LIMIT)
 
 
 @triton.jit
-def sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                       BC: tl.constexpr, LIMIT: tl.constexpr):
-    """Whether the gate of every channel falls by less than LIMIT (<= HALF_LIMIT) over each 16-row sub-block of the
-    chunk at t0: then its scores go by halves, each referred to a row of its own (chunk_wy.halves_scores), every
-    factor a normal float32 number."""
-    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, tl.arange(0, BK), BC)   # [BK] x4
-    return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, LIMIT)
+def sub_blocks_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+                    LIMIT: tl.constexpr):
+    """(:func:`sub_blocks_fall_little` at LIMIT, :func:`sub_blocks_far`) of the chunk at t0 from one load of its
+    sub-block totals, for the forward's launch of the chunks that are not separable, which asks both."""
+    o_k = tl.arange(0, BK)
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
+    return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, LIMIT), sub_blocks_fall_far(b_t1, b_t2, o_k, K)
 
 
 # A gate falling by more than this over a 16-row sub-block in every channel: pairs across that sub-block have
@@ -384,10 +386,18 @@ BAND_LIMIT: tl.constexpr = tl.constexpr(20.0)
 def sub_blocks_far(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """Whether the gate of every channel falls by more than BAND_LIMIT over sub-block 1 and over sub-block 2 of
     the chunk at t0 (the only sub-blocks that can lie strictly between two others): then only the diagonal
-    sub-blocks and the ones just below them hold entries above exp(-BAND_LIMIT) (chunk_wy.banded_scores)."""
+    sub-blocks and the ones just below them hold entries above exp(-BAND_LIMIT) (chunk_wy.banded_scores,
+    chunk_bwd.band_grads)."""
     o_k = tl.arange(0, BK)
     b_t1 = sub_block_total(gP, bos, t0, 1, T_n, i_hv, HV, K, o_k, BC)
     b_t2 = sub_block_total(gP, bos, t0, 2, T_n, i_hv, HV, K, o_k, BC)
+    return sub_blocks_fall_far(b_t1, b_t2, o_k, K)
+
+
+@triton.jit
+def sub_blocks_fall_far(b_t1, b_t2, o_k, K: tl.constexpr):
+    """:func:`sub_blocks_far`'s test on the totals of sub-blocks 1 and 2 at channels o_k ([BK] each; channels past
+    K, loaded as zero, left out)."""
     return tl.max(tl.where(o_k < K, tl.maximum(b_t1, b_t2), -float("inf"))) < -BAND_LIMIT
 
 
@@ -417,7 +427,7 @@ def halves_exponents(b_P, b_t0, b_t1, b_t2, s_r):
     tile ([BT, BKS]) and the totals of sub-blocks 0-2 ([BKS] each); ``s_r``: [BT, 1], each row's sub-block.
 
     * ``D = G - R``, R the last row of the first sub-block of the row's half (row 15 or 47): ``gP - tot`` on
-      sub-blocks 0 and 2, ``gP`` on 1 and 3; |D| < HALF_LIMIT on a chunk :func:`sub_blocks_bounded` accepts;
+      sub-blocks 0 and 2, ``gP`` on 1 and 3; |D| < HALF_LIMIT on a chunk :func:`sub_blocks_fall_little` accepts;
     * ``X``, the factors across the halves through row 31: ``G - G_31`` on half 1, ``G_31 - G`` on half 0 (the
       columns of those products), <= 0 everywhere."""
     b_D = b_P - tl.where(s_r == 0, b_t0[None, :], tl.where(s_r == 2, b_t2[None, :], 0.0))

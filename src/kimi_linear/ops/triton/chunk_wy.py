@@ -59,8 +59,7 @@ from .chunk_common import (
     store_row_norms,
     store_rows,
     sub_block_totals,
-    sub_blocks_bounded,
-    sub_blocks_far,
+    sub_blocks_kind,
     tf32_operand,
     vector_halves,
 )
@@ -485,11 +484,11 @@ def halves_scores(
     BKS: tl.constexpr, PREC: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """The scores of a chunk whose every sub-block's gate sum is above -HALVES_LIMIT (:func:`sub_blocks_bounded`)
-    but that is not separable as a whole, two products per matrix and channel step with rows ``q_i exp(D_i)``
-    (``k_i exp(D_i)``), ``D = G - R`` and R the last row of the row's half's first sub-block (row 15 or 47), so
-    ``D = gP - tot`` on sub-blocks 0 and 2 and ``D = gP`` on 1 and 3 (|D| < HALVES_LIMIT, no sum over more than
-    16 rows):
+    """The scores of a chunk whose every sub-block's gate sum is above -HALVES_LIMIT
+    (chunk_common.sub_blocks_fall_little) but that is not separable as a whole, two products per matrix and
+    channel step with rows ``q_i exp(D_i)`` (``k_i exp(D_i)``), ``D = G - R`` and R the last row of the row's
+    half's first sub-block (row 15 or 47), so ``D = gP - tot`` on sub-blocks 0 and 2 and ``D = gP`` on 1 and 3
+    (|D| < HALVES_LIMIT, no sum over more than 16 rows):
 
     * rows of half 0 against columns ``k_j exp(-D_j)``;
     * rows of half 1 against the same columns of half 1 and, across the halves, columns of half 0 referred to row
@@ -535,10 +534,11 @@ def chunk_kda_fwd_scores_kernel(
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
-    (the separable one in 160 registers a thread, the other capped at 168). ``HALVES``: of the others, those that
-    chunk_common.sub_blocks_bounded accepts by :func:`halves_scores` (in this launch; a launch of their own
-    measured slower on the H200: 0.95 against 0.90 ms), the rest by :func:`blocked_scores`; without it (float32
-    inputs) all by :func:`blocked_scores`."""
+    (the separable one in 160 registers a thread, the other capped at 168). ``HALVES`` (16-bit inputs): of the
+    others, those that chunk_common.sub_blocks_kind finds bounded per sub-block by :func:`halves_scores` (in this
+    launch; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), those it finds far by
+    :func:`banded_scores`, the rest by :func:`blocked_scores`; without it (float32 inputs) all by
+    :func:`blocked_scores`."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
@@ -549,12 +549,9 @@ def chunk_kda_fwd_scores_kernel(
                                           PREC, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
     elif not sep:
-        bounded = False
-        if HALVES:
-            bounded = sub_blocks_bounded(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, HALVES_LIMIT)
-        banded = False
-        if PREC == "tf32":
-            banded = sub_blocks_far(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+        bounded, banded = False, False
+        if HALVES:                                          # 16-bit inputs
+            bounded, banded = sub_blocks_kind(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, HALVES_LIMIT)
         if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                        d_q, d_k, d_gP, TMA)
