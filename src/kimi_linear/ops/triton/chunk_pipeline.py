@@ -11,8 +11,8 @@ Backward: recompute (a)-(e), the scan storing h per chunk and vn instead of form
 :class:`Kept`: the forward's gate sums, score matrices and inverse are kept, as fla keeps its own, so (a), (b) and
 (c) are skipped; the per-chunk states are never kept), the reverse state scan (chunk_state.py), then five per-chunk
 kernels (chunk_bwd.py): products with the states and the WY factors' key side, the inverse and value side, the
-score matrices (per 16-row sub-block; optionally separable chunks whole), the gate's cumulative sum and formula,
-and q/k (GVA sum, l2norm).
+score matrices (separable chunks whole, chunks bounded per sub-block by halves, the rest per 16-row sub-block),
+the gate's cumulative sum and formula, and q/k (GVA sum, l2norm).
 
 Intermediates that the products read (w, u, qg, kg, vn, h, Aqk) are kept in the *storage dtype*: bfloat16 for
 bfloat16 inputs by default (``store="input"``; tensor-core operands as they are), float32 with ``store="float32"``
@@ -385,7 +385,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
     if kept is None:
-        # launches: separable chunks, (optionally) chunks bounded per sub-block, the rest
+        # two launches: the separable chunks, and the rest (by halves, banded or blocked, chunk_wy)
         # float32 inputs take the blocked scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
