@@ -735,10 +735,10 @@ SWEEP_FEW_WARPS: list[tuple[str, dict]] = []
 SWEEP_BWD = [dict(), dict(bwd_intra_bk=64, bwd_intra_warps=4)]
 
 
-def sweep_configs(fla_chunk, case: str = "") -> None:
+def sweep_configs(fla_chunk, case: str = "", fwd_fields: list[dict] | None = None) -> None:
     """Per-kernel times (CUDA profiler; 16 x 2048, softplus gate, or ``case``: "BxT" and/or "lb" for the
-    lower_bound gate) of the forward kernels under SWEEP_FWD and of the backward under SWEEP_BWD, each output
-    checked against the default config's; then fla's own kernels."""
+    lower_bound gate) of the forward kernels under ``fwd_fields`` (default SWEEP_FWD) and of the backward under
+    SWEEP_BWD, each output checked against the default config's; then fla's own kernels."""
     B, T = S.shapes[0]
     shape = [w for w in case.split() if "x" in w]
     if shape:
@@ -781,7 +781,7 @@ def sweep_configs(fla_chunk, case: str = "") -> None:
             say(f"  sweep {kind} {fields} failed: {type(e).__name__}: {str(e)[:300]}")
         save()
 
-    for fields in SWEEP_FWD:
+    for fields in SWEEP_FWD if fwd_fields is None else fwd_fields:
         run("fwd", fields)
     for fields in [] if NO_BACKWARD else SWEEP_BWD:
         run("bwd", fields)
@@ -920,6 +920,9 @@ def main() -> int:
     p.add_argument("--sweep-case", default="", metavar="CASE",
                    help="the sweep's inputs: a shape 'BxT' (default: the first benchmark shape) and/or 'lb' for the "
                         "lower_bound gate, e.g. '1x32768 lb'")
+    p.add_argument("--sweep-fwd", default="", metavar="JSON",
+                   help="with --sweep: the forward's configs, a JSON list of LaunchConfig field dicts, e.g. "
+                        "'[{}, {\"h_bv\": 16}]' (default: the script's SWEEP_FWD)")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; later steps are skipped past it (0: none)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="BxT",
                    help="the benchmark and check shapes instead of 16x2048 and 1x32768, e.g. --shapes 1x32768 (a "
@@ -956,6 +959,12 @@ def main() -> int:
         BASE = replace(DEFAULT_CONFIG, **json.loads(a.config))
         tri_chunk.DEFAULT_CONFIG = BASE
         VARIANTS.update(launch_variants(BASE))
+    try:
+        sweep_fwd = json.loads(a.sweep_fwd) if a.sweep_fwd else None
+        if sweep_fwd is not None and not (isinstance(sweep_fwd, list) and all(isinstance(f, dict) for f in sweep_fwd)):
+            raise ValueError("not a list of objects")
+    except ValueError as e:
+        p.error(f"--sweep-fwd takes a JSON list of LaunchConfig field objects: {e}")
     if a.offline_sm90 is not None:
         return offline_sm90(a.offline_sm90)
     if not a.smoke and not torch.cuda.is_available():
@@ -984,7 +993,7 @@ def main() -> int:
     steps += [("check 1M tokens", a.check, checks.million_tokens)]
     steps += [("check regime gradients", a.check, checks.regime_gradients)]
     steps += [("profile chunk", a.profile and not a.regimes, lambda: profile_chunk(*need_ceilings(), fla_chunk))]
-    steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk, a.sweep_case))]
+    steps += [("sweep launch configs", a.sweep, lambda: sweep_configs(fla_chunk, a.sweep_case, sweep_fwd))]
     steps += [("check varlen GVA extreme gates", a.check, checks.varlen_gva_extreme_gates)]
     # last of the chunk steps: fla's autotuned backward kernels take minutes to compile
     steps += [("bench chunk forward+backward", bench and not a.no_backward,
