@@ -87,8 +87,9 @@ class LaunchConfig:
     scores_tma: bool = True
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
-    # (1 x 32768: 0.95 against 1.09 with 64). Measured before the forward scan formed the output (which makes its
-    # programs longer); not swept again since (bench/kda_kernels.py --profile times h_bv 64 and 16)
+    # (1 x 32768: 0.95 against 1.09 with 64). The forward scan, which forms the output, swept again at 1 x 32768
+    # (H100, 2026-12-06, `--sweep --sweep-fwd`): 32 columns 0.82 ms, 64: 0.85, 16: 1.24; 8 warps 1.19, 2 warps
+    # 3.73; 2 stages 1.12 (4 need 248 KiB of shared memory)
     h_bv: int = 0
     h_warps: int = 4
     # software pipelining of the backward's state scans (its recompute and the reverse scan); 0: 3 for few sequences
