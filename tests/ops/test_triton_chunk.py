@@ -582,3 +582,27 @@ def test_scores_by_halves_at_their_bound(fall, monkeypatch):
             got = got_all[0, r, 0].double().tril(strict)
             err, top = max(err, (got - ref).abs().max().item()), max(top, ref.abs().max().item())
         assert err < bar * top, (name, err, top)
+
+
+def test_value_side_by_split_products():
+    """bf16 values: the WY kernel forms u = Tm diag(beta) v by two bf16 products of v against the tf32 operand
+    split exactly in two (chunk_common.bf16_split, mm_split), so u (stored in float32 here) equals the tf32 product
+    of round_tf32(Tm diag(beta)) by v to float32 accumulation: within 1e-5 of the largest entry against float64,
+    where the high half alone (a bf16 operand) is ~2e-3 off. Two value heads, a chunk cut at T = 130."""
+    from kimi_linear.ops.triton.chunk_pipeline import Problem, forward_pieces
+
+    x = make_inputs(B=1, T=130, H=1, HV=2, K=32, V=64, dtype=torch.bfloat16, seed=91)
+    p = Problem(x["q"], x["v"], None, NO_OPTIONS, LaunchConfig(store="float32"))
+    pc = forward_pieces(p, x["q"], x["k"], x["v"], x["g"], x["beta"], None, False)
+    assert pc.u.dtype == torch.float32 and pc.Tm is not None
+    err, top = 0.0, 0.0
+    for h in range(2):
+        for t0 in range(0, 130, 64):
+            r = slice(t0, min(t0 + 64, 130))
+            n = r.stop - r.start
+            Tb = pc.Tm[0, r, h, :n] * x["beta"][0, r, h].float()[None, :]           # Tm diag(beta), float32
+            Tb = ((Tb.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)     # tf32 (ties away)
+            ref = Tb.double() @ x["v"][0, r, h].double()
+            err = max(err, (pc.u[0, r, h].double() - ref).abs().max().item())
+            top = max(top, ref.abs().max().item())
+    assert err < 1e-5 * top, (err, top)

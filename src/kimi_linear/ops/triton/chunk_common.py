@@ -101,6 +101,26 @@ def mm_rounded(b_a, b_b, b_acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def bf16_split(b_x):
+    """A tf32 value ``b_x`` (float32 with 10 mantissa bits, :func:`tf32_operand`) as two bfloat16 numbers whose sum
+    is exactly ``b_x``: the nearest bf16 and the rest (8 bits each cover tf32's 11-bit significand)."""
+    b_hi = cast(b_x, tl.bfloat16)
+    return b_hi, cast(b_x - b_hi.to(tl.float32), tl.bfloat16)
+
+
+@triton.jit
+def mm_split(b_hi, b_lo, b_y):
+    """``(hi + lo) @ y`` for bfloat16 ``hi``, ``lo`` (:func:`bf16_split`) and ``y``: two bf16 tensor-core products
+    accumulated in float32, the same numbers as one tf32 product of ``hi + lo`` by ``y`` (``y``'s bf16 values are
+    exact in tf32), with ``y`` taken as loaded (no float32 copy, rounding or shared-memory store of it)."""
+    if INTERPRET:
+        b_y = b_y.to(tl.float32)
+        return tl.dot(b_hi.to(tl.float32), b_y, tl.dot(b_lo.to(tl.float32), b_y, input_precision="ieee"),
+                      input_precision="ieee")
+    return tl.dot(b_hi, b_y, tl.dot(b_lo, b_y))
+
+
+@triton.jit
 def row_halves(b_x):
     """[R, C] -> its first and second R / 2 rows, [R / 2, C] each (a register split, no memory)."""
     R: tl.constexpr = b_x.shape[0]

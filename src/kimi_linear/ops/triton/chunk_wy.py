@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
+    bf16_split,
     block_of,
     channel_halves,
     chunk_coords,
@@ -51,6 +52,7 @@ from .chunk_common import (
     load_rows,
     mm,
     mm_rounded,
+    mm_split,
     own_totals,
     row_halves,
     row_inv_norms,
@@ -690,8 +692,9 @@ def wy_products(
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
     key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
     through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
-    b_Th = wy_inverse_operand(b_T, PREC)                                     # [BT, BT]
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
+    # w = Tm diag(beta) (k exp(G)) and u = Tm diag(beta) v: beta folded into the inverse's columns once per chunk
+    b_Th = wy_inverse_operand(b_T * b_beta[None, :], PREC)                   # [BT, BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
@@ -704,15 +707,23 @@ def wy_products(
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
-        b_w = wy_product(b_Th, b_k * b_eG * b_beta[:, None], PREC)
+        b_w = wy_product(b_Th, b_k * b_eG, PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
         tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
+    # bf16 values: u by two bf16 products of v as loaded against the tf32 operand split in two (mm_split), the
+    # same numbers as the tf32 product; other dtypes by wy_product
+    SPLIT: tl.constexpr = PREC == "tf32" and v.dtype.element_ty == tl.bfloat16
+    if SPLIT:
+        b_Thi, b_Tlo = bf16_split(b_Th)                                      # [BT, BT] x2
     for c0 in range(0, V, BV):
         o_v = c0 + tl.arange(0, BV)
-        b_v = chunk_tile(v, d_v, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA).to(tl.float32) * b_beta[:, None]
-        b_u = wy_product(b_Th, b_v, PREC)
+        b_v = chunk_tile(v, d_v, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA)                  # [BT, BV]
+        if SPLIT:
+            b_u = mm_split(b_Thi, b_Tlo, b_v)
+        else:
+            b_u = wy_product(b_Th, b_v.to(tl.float32), PREC)
         store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
 
 
