@@ -696,10 +696,6 @@ def wy_products(
     # w = Tm diag(beta) (k exp(G)) and u = Tm diag(beta) v: beta folded into the inverse's columns once per chunk
     b_Th = wy_inverse_operand(b_T * b_beta[None, :], PREC)                   # [BT, BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
-    # q feeds no product here, so neither a descriptor load (Triton then waits for it at once: Nsight Compute,
-    # H100, 2026-12-06, 11% of the kernel's stall samples) nor a pipelined pointer load: each step's q tile is
-    # loaded by pointers a step ahead, so that its latency passes under the step before
-    b_qn = load_rows(q, bos, t0, T_n, i_h, H, K, tl.arange(0, BKS), BT)     # [BT, BKS]
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         if TMA:
@@ -710,9 +706,7 @@ def wy_products(
             b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
-        b_q = b_qn.to(tl.float32) * b_rq[:, None]                           # [BT, BKS]
-        # the next step's q (the last step reloads the first: one L2 hit less branching)
-        b_qn = load_rows(q, bos, t0, T_n, i_h, H, K, (c0 + BKS) % K + tl.arange(0, BKS), BT)
+        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
         b_w = wy_product(b_Th, b_k * b_eG, PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
