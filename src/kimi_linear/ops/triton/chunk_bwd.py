@@ -367,15 +367,16 @@ def chunk_kda_bwd_listed_kernel(
 
 
 @triton.jit
-def band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_PS, b_eS, i_h, i_hv,
+def band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_eS, i_h, i_hv,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr):
     """(dq, dk from rows, dk from columns) of sub-block S's rows and columns against the neighbouring sub-blocks
     only, [BC, BK] each, for a chunk the forward took by bands (chunk_wy.banded_scores: every other pair's factor
     is below exp(-BAND_LIMIT) in every channel, and its score zero): S's rows against the columns of S - 1
     through the row before S, ``exp(gP_i) exp(tot_{S-1} - gP_j)``, and S's columns against the rows of S + 1
-    through S's last row, ``exp(gP_i) exp(tot_S - gP_j)``, all factors <= 1; [BC, BC] x [BC, BK] products where
-    the chunk-wide form takes [BC, BT] x [BT, BK] ones. ``b_PS``, ``b_eS``: gP of S's rows and its exponential."""
+    through S's last row, ``exp(gP_i) exp(tot_S - gP_j)``, all factors <= 1 (the column gradient returned before
+    its factor ``exp(tot_S - gP_j)``, which the caller applies as for the chunk-wide form); [BC, BC] x [BC, BK]
+    products where the chunk-wide form takes [BC, BT] x [BT, BK] ones. ``b_eS``: exp(gP) of S's rows."""
     o_j = tl.arange(0, BC)
     rP = t0 + tl.maximum(S - 1, 0) * BC                     # sub-block S - 1 (S itself when S = 0: zeroed below)
     rN = t0 + tl.minimum(S + 1, 3) * BC                     # sub-block S + 1 (S itself when S = 3: zeroed below)
@@ -393,7 +394,6 @@ def band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_PS, b_eS, i
     c_S = S * BC + o_j                                                                # [BC] columns of S
     b_dkc = (mm(tl.trans(load_rows(dAqk, bos, rN, T_n, i_hv, HV, BT, c_S, BC)), b_qN * b_f, PREC)
              + mm(tl.trans(load_rows(dAkk, bos, rN, T_n, i_hv, HV, BT, c_S, BC)), b_kN * b_f, PREC))  # [BC, BK]
-    b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
     return b_dq, b_dkr, b_dkc
 
 
@@ -416,7 +416,7 @@ def sub_block_grads(
     if PREC != "ieee":
         far = sub_blocks_far(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC)
     if far:
-        b_dq, b_dkr, b_dkc = band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_PS, b_eS, i_h, i_hv,
+        b_dq, b_dkr, b_dkc = band_grads(q, k, gP, rq, rk, dAqk, dAkk, bos, t0, S, T_n, o_k, b_eS, i_h, i_hv,
                                         H, HV, K, BT, BC, USE_QK_L2NORM, PREC)
     else:
         o_t = tl.arange(0, BT)
@@ -435,7 +435,8 @@ def sub_block_grads(
         b_dAqc = load_rows(dAqk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
         b_dAkc = load_rows(dAkk, bos, t0, T_n, i_hv, HV, BT, S * BC + o_j, BT)            # [BT, BC]
         b_dkc = mm(tl.trans(b_dAqc), b_q * b_f, PREC) + mm(tl.trans(b_dAkc), b_k * b_f, PREC)     # [BC, BK]
-        b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)  # exp(G_r - G_j)
+    # Both forms give S's columns against later rows through S's last row r: their own factor exp(G_r - G_j)
+    b_dkc *= tl.exp(sub_block_total(gP, bos, t0, S, T_n, i_hv, HV, K, o_k, BC)[None, :] - b_PS)
 
     # The diagonal block.
     b_rqS, b_rkS = load_norms(rq, rk, bos, rS, T_n, i_h, H, BC, USE_QK_L2NORM)         # [BC] x2
