@@ -698,6 +698,7 @@ def wy_products(
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
         if TMA:
             b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
             b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
@@ -706,7 +707,7 @@ def wy_products(
             b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
-        b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rq[:, None]
+        b_q = b_q.to(tl.float32) * b_rq[:, None]
         b_w = wy_product(b_Th, b_k * b_eG, PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
         store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
