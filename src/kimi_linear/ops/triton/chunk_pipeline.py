@@ -402,7 +402,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
                   kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bks, p.BVmax),
                   USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
-        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_q=q, d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
+        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
         chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
                                                num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan

@@ -687,17 +687,19 @@ def wy_products(
     q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_q, d_k, d_v, d_gP, TMA: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the q, k, v and gP tiles
-    through tensor descriptors ``d_*`` (:func:`chunk_tile`)."""
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the k, v and gP tiles
+    through tensor descriptors ``d_*`` (:func:`chunk_tile`); q always by pointers (below)."""
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     # w = Tm diag(beta) (k exp(G)) and u = Tm diag(beta) v: beta folded into the inverse's columns once per chunk
     b_Th = wy_inverse_operand(b_T * b_beta[None, :], PREC)                   # [BT, BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
+        # q feeds no product, so Triton does not pipeline it: through a descriptor the step waited on its load at
+        # once; by pointers, issued first, it overlaps the gate and k loads
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
         if TMA:
             b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
@@ -738,7 +740,7 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr, STORE_T: tl.constexpr,
-    d_q, d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
+    d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
     the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
@@ -751,4 +753,4 @@ def chunk_kda_fwd_wy_kernel(
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
     wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                d_q, d_k, d_v, d_gP, TMA)
+                d_k, d_v, d_gP, TMA)
