@@ -606,39 +606,3 @@ def test_value_side_by_split_products():
             err = max(err, (pc.u[0, r, h].double() - ref).abs().max().item())
             top = max(top, ref.abs().max().item())
     assert err < 1e-5 * top, (err, top)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["gva initial state", "varlen", "mixed and -1000 gates", "length 1", "in kernel"])
-def test_direct_forward(case, dtype, monkeypatch):
-    """``LaunchConfig.direct`` (the default): the inverse alone, then a scan that forms
-    ``vn = Tm diag(beta) (v - (k exp(G)) S)`` and the gated q, k from the inputs (chunk_state.chunk_kda_fwd_o_kernel);
-    the WY kernel must not run. Against the float64 reference at the usual bars (1e-4 where -1000 gates meet
-    float32 diagonal factors, as test_extreme_gates_and_lengths), and against the two-kernel path (``direct=False``,
-    whose vn is ``u - w S`` with w and u rounded to the storage dtype): within a few bf16 roundings of o for bf16
-    inputs, 1e-5 for float32. GVA with an initial state, varlen with an empty sequence and lengths that are not
-    multiples of 64, mild and strong channels with -1000 steps, a single token, and l2norm / the gate / the beta
-    sigmoid in the kernels."""
-    from kimi_linear.ops.triton import chunk_pipeline
-
-    cu, opts = None, NO_OPTIONS
-    if case == "varlen":
-        cu = torch.tensor([0, 70, 70, 200])
-        x = make_inputs(B=1, T=200, H=1, HV=2, K=32, V=48, N=3, dtype=dtype, seed=81)
-    elif case == "mixed and -1000 gates":
-        x = mixed_gates(make_inputs(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dtype, seed=82), seed=83, group=8)
-    elif case == "in kernel":
-        x = make_inputs(B=1, T=100, H=1, HV=2, K=32, V=32, raw=True, dtype=dtype, seed=84)
-        opts = KernelOptions(True, True, True, False, torch.randn(2), torch.randn(2 * 32), None)
-    else:
-        x = make_inputs(B=2, T=1 if case == "length 1" else 100, H=1, HV=2, K=32, V=32, dtype=dtype, seed=85)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, opts, cu)
-    o_two, S_two = chunk_kda_fwd(*args, cfg=LaunchConfig(direct=False))
-    monkeypatch.setattr(chunk_pipeline, "chunk_kda_fwd_wy_kernel", None)        # direct: any use of it fails
-    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(direct=True))
-    o_ref, S_ref = reference(x, opts, cu_seqlens=cu)
-    bar = 1e-4 if case == "mixed and -1000 gates" and dtype == torch.float32 else tol(dtype)
-    assert o.dtype == dtype and torch.isfinite(o).all() and torch.isfinite(S).all()
-    assert rel_err(o, o_ref) < bar and rel_err(S, S_ref) < bar
-    near = 1e-5 if dtype == torch.float32 else 3e-3
-    assert rel_err(o, o_two) < near and rel_err(S, S_two) < near

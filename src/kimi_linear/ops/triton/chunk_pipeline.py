@@ -37,8 +37,8 @@ from .chunk_bwd import (
 )
 from .chunk_common import BC, BT
 from .chunk_prepare import chunk_kda_prepare_kernel
-from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel, chunk_kda_fwd_o_kernel
-from .chunk_wy import chunk_kda_fwd_inverse_kernel, chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
+from .chunk_state import chunk_kda_bwd_dh_kernel, chunk_kda_fwd_h_kernel
+from .chunk_wy import chunk_kda_fwd_scores_kernel, chunk_kda_fwd_wy_kernel
 from .device import num_sms
 from .ints import cdiv, next_pow2
 from .tma import tensor_descriptor_class, tma_supported
@@ -70,15 +70,6 @@ class LaunchConfig:
     # ms of it), the forward unchanged. Off by default for its memory; chunk_kda's disable_recompute=True (fla's
     # name for this trade) turns it on
     keep_factors: bool = False
-    # The forward without the WY kernel: the inverse alone in one launch (chunk_wy.chunk_kda_fwd_inverse_kernel),
-    # then a scan that forms vn = Tm diag(beta) (v - (k exp(G)) S) and the gated q, k from the inputs
-    # (chunk_state.chunk_kda_fwd_o_kernel): w, u, qg and kg never go to memory. UNTIMED
-    direct: bool = True
-    inv_warps: int = 4
-    inv_regs: int = 128
-    o_warps: int = 8
-    o_stages: int = 2
-    o_bv: int = 0                     # 0: h_bv's rule
     wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
@@ -406,10 +397,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-    fused = scale is not None                                          # the forward: o formed in the scan
-    if fused and cfg.direct and factors is None and not (keep and cfg.keep_factors):
-        Tm = Tm if Tm is not None else p.empty(B, T, HV, BT)
-        return direct_forward(p, q, k, v, beta, gP, rq, rk, Aqk, Akk, Tm, initial_state, output_final_state, scale)
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     if factors is None:
         wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
@@ -418,6 +405,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
         chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
                                                num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
+    fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)
     o = p.empty(B, T, HV, V, dtype=p.dtype) if fused else None
@@ -433,30 +421,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         num_warps=cfg.h_warps, num_stages=p.h_out_stages if fused else p.h_stages,
     )
     return Pieces(gP, rq, rk, Aqk, Akk, Tm, w, u, qg, kg, decay, h, vn, ht, o)
-
-
-def direct_forward(p: Problem, q, k, v, beta, gP, rq, rk, Aqk, Akk, Tm, initial_state, output_final_state: bool,
-                   scale: float) -> Pieces:
-    """The forward's last two stages without the WY factors in memory (LaunchConfig.direct): the inverse stored
-    in ``Tm``, then the scan from the inputs. Pieces' WY fields, h and vn are None."""
-    B, T, H, HV, K, V, cfg, opts = p.B, p.T, p.H, p.HV, p.K, p.V, p.cfg, p.opts
-    IS_VARLEN = p.cu_seqlens is not None
-    beta_flags = dict(USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
-    chunk_kda_fwd_inverse_kernel[p.grid(1, HV)](
-        beta=beta, Akk=Akk, Tm=Tm, **p.varlen(), T=T, NT=p.NT_seq, HV=HV, BT=BT, BC=BC, IS_VARLEN=IS_VARLEN,
-        **beta_flags, num_warps=cfg.inv_warps, **reg_cap(cfg.inv_regs),
-    )
-    o = p.empty(B, T, HV, V, dtype=p.dtype)
-    ht = p.empty(p.N, HV, K, V) if output_final_state else None
-    BV = min(cfg.o_bv, p.BVmax) if cfg.o_bv else p.h_bv
-    chunk_kda_fwd_o_kernel[(cdiv(V, BV), p.N * HV)](
-        q=q, k=k, v=v, gP=gP, beta=beta, rq=p.ptr(rq), rk=p.ptr(rk), Tm=Tm, Aqk=Aqk, o=o,
-        h0=p.ptr(initial_state), ht=p.ptr(ht), cu_seqlens=p.ptr(p.cu_seqlens), chunk_offsets=p.ptr(p.chunk_offsets),
-        scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=p.BK, BV=BV, IS_VARLEN=IS_VARLEN,
-        USE_QK_L2NORM=opts.use_qk_l2norm_in_kernel, **beta_flags, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, PREC=p.prec, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
-    )
-    return Pieces(gP, rq, rk, Aqk, Akk, Tm, None, None, None, None, None, None, None, ht, o)
 
 
 def chunk_kda_fwd_pipeline(

@@ -31,19 +31,13 @@ import triton.language as tl
 
 from .chunk_common import (
     cast,
-    chunk_gate_terms,
-    load_beta,
-    load_norms,
     load_rows,
     load_state,
     mm,
-    mm_rounded,
     seq_coords,
     store_rows,
     store_state,
-    tf32_operand,
 )
-from .fastmath import fast_exp
 
 
 @triton.jit
@@ -88,63 +82,6 @@ def chunk_kda_fwd_h_kernel(
             store_rows(vn, b_vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)
         # The state update uses vn as stored, so the output and the backward see the same writes.
         b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
-
-    if STORE_FINAL_STATE:
-        store_state(ht + i_nh.to(tl.int64) * K * V, b_h, o_k, o_v, K, V)
-
-
-@triton.jit
-def chunk_kda_fwd_o_kernel(
-    q, k, v, gP, beta, rq, rk,        # the inputs as the WY kernel reads them (rq, rk: l2norm only)
-    Tm, Aqk,                          # [B, T, HV, BT] float32 inverse (chunk_wy.chunk_kda_fwd_inverse_kernel), scores
-    o, h0, ht,                        # out [B, T, HV, V] input dtype; [N, HV, K, V] float32 in / out
-    cu_seqlens, chunk_offsets,        # varlen only
-    scale, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, PREC: tl.constexpr,
-):
-    """The forward's scan with the WY products folded in: with ``Th = Tm diag(beta)``, ``w = Th (k exp(G))`` and
-    ``u = Th v``, so
-
-        vn = u - w S = Th (v - (k exp(G)) S)
-
-    one [BT, BT] x [BT, BV] product a chunk in place of the WY kernel's two [BT, BT] x [BT, K|V] ones, and the
-    gated q and k formed here from the inputs: nothing but the output goes to memory. The key side's operands
-    (``k exp(G)``, ``qg``, ``kg``) are rounded to the storage dtype as the WY kernel stores them."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, T_n, _ = seq_coords(i_n, cu_seqlens, chunk_offsets, T, IS_VARLEN, BT)
-    SDT: tl.constexpr = Aqk.dtype.element_ty                               # the storage dtype of the pipeline
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)                             # [BK, BV]
-    if USE_INITIAL_STATE:
-        b_h += load_state(h0 + i_nh.to(tl.int64) * K * V, o_k, o_v, K, V)
-
-    for i_t in range(0, tl.cdiv(T_n, BT)):
-        t0 = i_t * BT
-        b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BK] x2, [BK]
-        b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)           # [BT] x2
-        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]  # [BT, BK]
-        b_eG = fast_exp(b_G)
-        b_kw = cast(b_k * b_eG, SDT)                                       # w's right operand, [BT, BK]
-        b_kg = cast(b_k * fast_exp(b_Gs), SDT)                             # [BT, BK]
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rq[:, None]
-        b_qg = cast(b_q * b_eG, SDT)                                       # [BT, BK]
-        b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)          # [BT]
-        b_Th = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT) * b_beta[None, :]   # [BT, BT]
-        b_v = load_rows(v, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32)                      # [BT, BV]
-        b_hs = cast(b_h, SDT)
-        b_x = b_v - mm(b_kw, b_hs, PREC)                                   # [BT, BV]
-        b_vn = mm_rounded(tf32_operand(b_Th, PREC), tf32_operand(b_x, PREC), tl.zeros_like(b_x), PREC)
-        b_vn = cast(b_vn, SDT)                                             # as the two-kernel path stores it
-        b_A = load_rows(Aqk, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)                     # [BT, BT]
-        b_o = mm(b_qg, b_hs, PREC) + mm(b_A, b_vn, PREC)                   # [BT, BV]
-        store_rows(o, b_o * scale, bos, t0, T_n, i_hv, HV, V, o_v, BT)
-        b_h = b_h * tl.exp(b_GC)[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
 
     if STORE_FINAL_STATE:
         store_state(ht + i_nh.to(tl.int64) * K * V, b_h, o_k, o_v, K, V)

@@ -754,18 +754,3 @@ def chunk_kda_fwd_wy_kernel(
     wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
                 d_k, d_v, d_gP, TMA)
-
-
-@triton.jit
-def chunk_kda_fwd_inverse_kernel(
-    beta, Akk, Tm,                    # [B, T, HV], [B, T, HV, BT] (Akk without beta); out Tm [B, T, HV, BT] f32
-    cu_seqlens, chunk_indices,
-    T, NT,
-    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-):
-    """The inverse alone, stored in ``Tm``: for the forward whose scan forms the WY products itself
-    (chunk_state.chunk_kda_fwd_o_kernel), so that w, u, qg and kg never go to memory."""
-    i_c, _, i_hv = grid_coords(1, HV)
-    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    inverse_blocks(beta, Akk, Tm, bos, i_t * BT, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, True)
