@@ -600,10 +600,10 @@ def side_by_side(b_0, b_1, b_2, b_3):
 
 
 @triton.jit
-def two_by_two(b_00, b_01, b_10, b_11):
-    """Four [R, C] blocks as one [2 R, 2 C] tile, ``[[b_00, b_01], [b_10, b_11]]``."""
-    b_x = tl.join(tl.join(b_00, b_01), tl.join(b_10, b_11))             # [R, C, 2, 2]: block (o, i) at [:, :, i, o]
-    return tl.reshape(tl.permute(b_x, (3, 0, 2, 1)), (2 * b_00.shape[0], 2 * b_00.shape[1]))
+def stacked(b_0, b_1, b_2, b_3):
+    """Four [R, C] blocks one above the other: [4 R, C]."""
+    b_x = tl.join(tl.join(b_0, b_1), tl.join(b_2, b_3))                  # [R, C, 2, 2]
+    return tl.reshape(tl.permute(b_x, (3, 2, 0, 1)), (4 * b_0.shape[0], b_0.shape[1]))
 
 
 @triton.jit
@@ -615,10 +615,10 @@ def inverse_blocks(
     float32, also stored in ``Tm`` with ``STORE_T`` (the backward reads it)."""
     tl.static_assert(BT == 4 * BC)
 
-    # (I + diag(beta) Akk)^-1: the 16x16 diagonal blocks by substitution, then blocks of 32 and 64 rows from pairs
+    # (I + diag(beta) Akk)^-1 by 16x16 blocks: Tm_II by substitution, Tm_IJ = -Tm_II sum_{J<=M<I} A_IM Tm_MJ.
     b_b1 = load_beta(beta, bos, t0 + BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)      # [BC]
+    b_b2 = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
     b_b3 = load_beta(beta, bos, t0 + 3 * BC, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_bL = load_beta(beta, bos, t0 + 2 * BC, T_n, i_hv, HV, 2 * BC, USE_BETA_SIGMOID, NEG_EIGVAL)   # [2 BC]
     # The four diagonal blocks in one [4, BC, BC] substitution (H200: WY kernel 1.75 ms against 2.10 for four
     # [BC, BC] ones in turn)
     b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
@@ -626,18 +626,25 @@ def inverse_blocks(
     b_T11 = block_of(b_T, 1)
     b_T22 = block_of(b_T, 2)
     b_T33 = block_of(b_T, 3)
-    # Blocks twice as large from pairs, twice: [[L, 0], [C, U]] with C = -U (beta A_21) L, four float32
-    # products on the CUDA cores in all (full float32: the inverse's error feeds every w and u row)
     b_A10 = load_A_block(Akk, b_b1, bos, t0, 1, 0, T_n, i_hv, HV, BT, BC)                        # [BC, BC]
+    b_A20 = load_A_block(Akk, b_b2, bos, t0, 2, 0, T_n, i_hv, HV, BT, BC)
+    b_A21 = load_A_block(Akk, b_b2, bos, t0, 2, 1, T_n, i_hv, HV, BT, BC)
+    b_A30 = load_A_block(Akk, b_b3, bos, t0, 3, 0, T_n, i_hv, HV, BT, BC)
+    b_A31 = load_A_block(Akk, b_b3, bos, t0, 3, 1, T_n, i_hv, HV, BT, BC)
     b_A32 = load_A_block(Akk, b_b3, bos, t0, 3, 2, T_n, i_hv, HV, BT, BC)
-    b_z = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L = two_by_two(b_T00, b_z, -mm(b_T11, mm(b_A10, b_T00, "ieee"), "ieee"), b_T11)            # [2 BC, 2 BC]
-    b_U = two_by_two(b_T22, b_z, -mm(b_T33, mm(b_A32, b_T22, "ieee"), "ieee"), b_T33)
-    b_A = load_rows(Akk, bos, t0 + 2 * BC, T_n, i_hv, HV, BT, tl.arange(0, 2 * BC), 2 * BC) * b_bL[:, None]
-    b_C = -mm(b_U, mm(b_A, b_L, "ieee"), "ieee")                                                   # [2 BC, 2 BC]
+    # Small products of the inverse in full float32: its error feeds every w and u row.
+    b_T10 = -mm(b_T11, mm(b_A10, b_T00, "ieee"), "ieee")
+    b_T21 = -mm(b_T22, mm(b_A21, b_T11, "ieee"), "ieee")
+    b_T20 = -mm(b_T22, mm(b_A20, b_T00, "ieee") + mm(b_A21, b_T10, "ieee"), "ieee")
+    b_T32 = -mm(b_T33, mm(b_A32, b_T22, "ieee"), "ieee")
+    b_T31 = -mm(b_T33, mm(b_A31, b_T11, "ieee") + mm(b_A32, b_T21, "ieee"), "ieee")
+    b_T30 = -mm(b_T33, mm(b_A30, b_T00, "ieee") + mm(b_A31, b_T10, "ieee") + mm(b_A32, b_T20, "ieee"), "ieee")
+
     # One [BT, BT] tile assembled in registers: the WY products need no round trip through Tm, which only the
     # backward reads
-    b_T = two_by_two(b_L, tl.zeros_like(b_L), b_C, b_U)                                            # [BT, BT]
+    b_z = tl.zeros([BC, BC], dtype=tl.float32)
+    b_T = stacked(side_by_side(b_T00, b_z, b_z, b_z), side_by_side(b_T10, b_T11, b_z, b_z),
+                  side_by_side(b_T20, b_T21, b_T22, b_z), side_by_side(b_T30, b_T31, b_T32, b_T33))   # [BT, BT]
     if STORE_T:
         store_rows(Tm, b_T, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)
     return b_T
