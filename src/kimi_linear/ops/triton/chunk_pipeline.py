@@ -103,7 +103,6 @@ class LaunchConfig:
     # the shape (H200, 16 x 2048, 2026-12-04: 0.469 against 0.653 ms with 2, in every gate regime)
     h_out_stages: int = 0
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
-    bwd_inter_bv: int = 0             # EXPERIMENT: the inter kernel's value columns a step (0: bwd_bk)
     bwd_warps: int = 4
     # warps of the inter kernel alone (0: bwd_warps): 8 timed 3.23 ms against 3.75 with 4 (H200, 2026-12-01), no
     # spills (936 bytes of stack at 4)
@@ -512,8 +511,7 @@ def chunk_kda_bwd_pipeline(
     chunk_kda_bwd_inter_kernel[p.grid(NK, HV)](
         q=q, k=k, beta=beta, gP=x.gP, rq=p.ptr(x.rq), rk=p.ptr(x.rk), Tm=x.Tm, h=x.h, dh=dh, vn=x.vn, dvn=dvn,
         do=do, dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, dT_p=dT_p, **p.varlen(), scale=scale, T=T,
-        NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb,
-        BV=min(cfg.bwd_inter_bv, p.BVmax) if cfg.bwd_inter_bv else BVb, **flags,
+        NT=p.NT_seq, STRIDE_NK=stride_nk, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BKb, BV=BVb, **flags,
         **beta_flags, PREC=p.prec, num_warps=cfg.bwd_inter_warps or cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
