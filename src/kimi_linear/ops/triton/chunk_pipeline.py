@@ -122,6 +122,8 @@ class LaunchConfig:
     # 0.03 ms more where every chunk is separable)
     bwd_sep_bk: int = 32              # its key channels per loop step (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
+    bwd_halves_bk: int = 32           # EXPERIMENT: the by-halves launch's own key step and warps (were bwd_sep_*)
+    bwd_halves_warps: int = 4
     # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
@@ -544,7 +546,7 @@ def chunk_kda_bwd_pipeline(
                   count=count, L=L)
     if by_halves:
         chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
-            **listed, SUB=False, BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
+            **listed, SUB=False, BK=min(cfg.bwd_halves_bk, p.BK), num_warps=cfg.bwd_halves_warps, num_stages=1)
     chunk_kda_bwd_listed_kernel[(cfg.bwd_sub_per_sm * num_sms(q.device),)](
         **dict(listed, **reg_cap(cfg.bwd_sub_regs)), SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
     dg = torch.empty_like(g)
