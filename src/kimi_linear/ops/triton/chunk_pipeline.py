@@ -122,6 +122,7 @@ class LaunchConfig:
     # 0.03 ms more where every chunk is separable)
     bwd_sep_bk: int = 32              # its key channels per loop step (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
+    bwd_wy_bv: int = 0                # EXPERIMENT: the backward WY kernel's value columns a step (0: bwd_bk)
     bwd_halves_bk: int = 32           # EXPERIMENT: the by-halves launch's own key step and warps (were bwd_sep_*)
     bwd_halves_warps: int = 4
     # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
@@ -522,7 +523,8 @@ def chunk_kda_bwd_pipeline(
     chunk_kda_bwd_wy_kernel[p.grid(1, HV)](
         v=v, beta=beta, Akk=x.Akk, Tm=x.Tm, vn=x.vn, dvn=dvn, do=do, db_p=db_p, dT_p=dT_p, dv=dv, dbeta=dbeta,
         dAqk=dAqk, dAkk=dAkk, **p.varlen(), scale=scale, T=T, NT=p.NT_seq, STRIDE_NK=stride_nk,
-        HV=HV, V=V, BT=BT, BV=BVb, NK=NK, IS_VARLEN=IS_VARLEN, **beta_flags, PREC=p.prec,
+        HV=HV, V=V, BT=BT, BV=min(cfg.bwd_wy_bv, p.BVmax) if cfg.bwd_wy_bv else BVb, NK=NK, IS_VARLEN=IS_VARLEN,
+        **beta_flags, PREC=p.prec,
         num_warps=cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
     )
