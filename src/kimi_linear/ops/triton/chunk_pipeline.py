@@ -103,6 +103,10 @@ class LaunchConfig:
     # the shape (H200, 16 x 2048, 2026-12-04: 0.469 against 0.653 ms with 2, in every gate regime)
     h_out_stages: int = 0
     bwd_bk: int = 64                  # key channels per program of the backward's per-chunk kernels
+    # value columns per step of the backward's WY kernel (dv, and the value side of dbeta and dAkk): H100, 16 x 2048
+    # (2026-12-06), 1.11-1.12 ms at 32 against 1.20-1.21 at bwd_bk's 64 in every gate regime (246 registers and no
+    # stack offline, against 255 and 168 B)
+    bwd_wy_bv: int = 32
     bwd_warps: int = 4
     # warps of the inter kernel alone (0: bwd_warps): 8 timed 3.23 ms against 3.75 with 4 (H200, 2026-12-01), no
     # spills (936 bytes of stack at 4)
@@ -122,9 +126,6 @@ class LaunchConfig:
     # 0.03 ms more where every chunk is separable)
     bwd_sep_bk: int = 32              # its key channels per loop step (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
-    bwd_wy_bv: int = 0                # EXPERIMENT: the backward WY kernel's value columns a step (0: bwd_bk)
-    bwd_halves_bk: int = 32           # EXPERIMENT: the by-halves launch's own key step and warps (were bwd_sep_*)
-    bwd_halves_warps: int = 4
     # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
     # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
@@ -523,7 +524,7 @@ def chunk_kda_bwd_pipeline(
     chunk_kda_bwd_wy_kernel[p.grid(1, HV)](
         v=v, beta=beta, Akk=x.Akk, Tm=x.Tm, vn=x.vn, dvn=dvn, do=do, db_p=db_p, dT_p=dT_p, dv=dv, dbeta=dbeta,
         dAqk=dAqk, dAkk=dAkk, **p.varlen(), scale=scale, T=T, NT=p.NT_seq, STRIDE_NK=stride_nk,
-        HV=HV, V=V, BT=BT, BV=min(cfg.bwd_wy_bv, p.BVmax) if cfg.bwd_wy_bv else BVb, NK=NK, IS_VARLEN=IS_VARLEN,
+        HV=HV, V=V, BT=BT, BV=min(cfg.bwd_wy_bv, p.BVmax), NK=NK, IS_VARLEN=IS_VARLEN,
         **beta_flags, PREC=p.prec,
         num_warps=cfg.bwd_warps,
         **reg_cap(cfg.bwd_regs),
@@ -548,7 +549,7 @@ def chunk_kda_bwd_pipeline(
                   count=count, L=L)
     if by_halves:
         chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
-            **listed, SUB=False, BK=min(cfg.bwd_halves_bk, p.BK), num_warps=cfg.bwd_halves_warps, num_stages=1)
+            **listed, SUB=False, BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
     chunk_kda_bwd_listed_kernel[(cfg.bwd_sub_per_sm * num_sms(q.device),)](
         **dict(listed, **reg_cap(cfg.bwd_sub_regs)), SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
     dg = torch.empty_like(g)
