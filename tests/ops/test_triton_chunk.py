@@ -606,3 +606,21 @@ def test_value_side_by_split_products():
             err = max(err, (pc.u[0, r, h].double() - ref).abs().max().item())
             top = max(top, ref.abs().max().item())
     assert err < 1e-5 * top, (err, top)
+
+
+def test_wy_value_step_keeps_descriptors(monkeypatch):
+    """The WY kernel's u loop steps by ``LaunchConfig.wy_bv`` (64) where that divides V, else by the key step, so
+    that V = 96 keeps every tile on TMA descriptors (a step of 64 would leave V's last block partial and turn them
+    all into pointer loads): every chunk_tile call there by descriptor, and the reference's numbers."""
+    from kimi_linear.ops.triton import chunk_wy
+
+    x = make_inputs(B=1, T=70, H=1, HV=1, K=32, V=96, dtype=torch.bfloat16, seed=93)
+    tiles = []
+    real_tile = chunk_wy.chunk_tile
+    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append((a[-3], bool(a[-1]))) or real_tile(*a))
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, NO_OPTIONS, None)
+    o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_bv=64))
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert tiles and all(tma for _, tma in tiles)
+    assert {step for step, _ in tiles} == {32}                  # every tile by the key step, v included
+    assert rel_err(o, o_ref) < tol(torch.bfloat16) and rel_err(S, S_ref) < tol(torch.bfloat16)

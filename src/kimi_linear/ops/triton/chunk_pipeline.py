@@ -70,9 +70,10 @@ class LaunchConfig:
     # ms of it), the forward unchanged. Off by default for its memory; chunk_kda's disable_recompute=True (fla's
     # name for this trade) turns it on
     keep_factors: bool = False
-    wy_bks: int = 32                  # key / value columns per step in the inverse + WY kernel
+    wy_bks: int = 32                  # key columns per step in the inverse + WY kernel
     # value columns per step of the WY kernel's u loop (two bf16 products each): H100, 16 x 2048 (2026-12-06), WY
-    # kernel 1.221-1.234 ms with 64 against 1.267-1.276 with 32 and 1.248-1.260 with 128, in every gate regime
+    # kernel 1.221-1.234 ms with 64 against 1.267-1.276 with 32 and 1.248-1.260 with 128, in every gate regime.
+    # Where it does not divide V the key step is taken, so that the tiles stay on TMA (tile_descriptors)
     wy_bv: int = 64
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
@@ -406,8 +407,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     if factors is None:
+        wy_bv = min(cfg.wy_bv, p.BVmax)
+        wy_bv = wy_bv if p.V % wy_bv == 0 else min(cfg.wy_bks, p.BVmax)
         wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
-                  kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=min(cfg.wy_bv, p.BVmax),
+                  kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=wy_bv,
                   USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
         wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
         chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
