@@ -50,7 +50,6 @@ class LaunchConfig:
 
     store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
     scores_bks: int = 32              # key channels per step in the scores kernel
-    scores_rest_bks: int = 0          # EXPERIMENT: the same for the launch of the non-separable chunks (0: scores_bks)
     scores_warps: int = 4
     scores_stages: int = 3            # software pipelining of its channel loop (1: none); see scores_tma
     # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 60 go through
@@ -390,6 +389,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         Tm = p.empty(B, T, HV, BT) if keep or scale is None else None
     else:
         Aqk, Akk, Tm = kept.Aqk, kept.Akk, kept.Tm
+    bks = min(cfg.scores_bks, p.BK)
     flags = dict(IS_VARLEN=IS_VARLEN, USE_QK_L2NORM=use_l2, PREC=p.prec)
     shared = dict(q=q, k=k, gP=gP, rq=p.ptr(rq), rk=p.ptr(rk), **p.varlen(), T=T, NT=p.NT_seq, H=H, HV=HV, K=K, BT=BT,
                   BC=BC, **flags)
@@ -398,9 +398,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # float32 inputs take the blocked scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
+        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
-            bks = min(cfg.scores_bks if separable else (cfg.scores_rest_bks or cfg.scores_bks), p.BK)
-            tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
