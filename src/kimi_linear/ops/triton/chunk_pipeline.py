@@ -77,10 +77,11 @@ class LaunchConfig:
     wy_bv: int = 64
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
-    # The WY products' q, k, v and gP tiles through TMA tensor descriptors (chunk_wy.chunk_tile), which Triton's
+    # The WY products' k, v and gP tiles through TMA tensor descriptors (chunk_wy.chunk_tile), which Triton's
     # software pipeliner prefetches into shared memory (Nsight Compute, 2026-12-01: the products waited on their
     # pointer loads, which it does not pipeline). H200: WY kernel 1.77 -> 1.64 ms, the backward's recompute 1.12 ->
-    # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads
+    # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads.
+    # q always by pointers: it feeds no product, so its descriptor load was waited on at once (chunk_wy.wy_products)
     wy_tma: bool = True
     # The same for the scores' q, k and gP tiles in all three paths (chunk_wy.separable_scores, halves_scores,
     # blocked_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
