@@ -158,7 +158,8 @@ def test_no_initial_state_no_final_state_odd_widths():
 
 @pytest.mark.parametrize("field, value", [("scores_warps", 2), ("wy_warps", 1), ("store", "half"),
                                           ("bwd_intra_prec", "bf16"), ("bwd_halves_per_sm", 0),
-                                          ("bwd_sub_per_sm", 0)])
+                                          ("bwd_sub_per_sm", 0), ("wy_bv", 48), ("bwd_wy_bv", 8),
+                                          ("scores_bks", 0), ("h_bv", 24)])
 def test_launch_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=f"LaunchConfig.{field}"):
         LaunchConfig(**{field: value})

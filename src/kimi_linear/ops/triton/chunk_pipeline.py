@@ -166,6 +166,12 @@ class LaunchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"LaunchConfig.{name} must be >= 1 (got {getattr(self, name)}): programs per SM "
                                  "of a launch that loops over listed chunks")
+        # Channel and column steps are tile widths: Triton's aranges need powers of two and its products 16 or more.
+        for name in ("scores_bks", "wy_bks", "wy_bv", "bwd_bk", "bwd_wy_bv", "bwd_intra_bk", "bwd_sep_bk", "h_bv"):
+            n = getattr(self, name)
+            if not (n == 0 and name == "h_bv") and (n < 16 or n & (n - 1)):
+                raise ValueError(f"LaunchConfig.{name} must be a power of two >= 16 (got {n})"
+                                 + (" or 0 (the shape's rule)" if name == "h_bv" else ""))
         if self.store not in ("input", "float32"):
             raise ValueError(f"LaunchConfig.store must be 'input' or 'float32', got {self.store!r}")
         if self.bwd_intra_prec not in ("tf32", "tf32x3", "ieee"):
