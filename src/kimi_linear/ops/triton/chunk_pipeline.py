@@ -342,7 +342,7 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
     heads, width] each, named ``d_*``; v's width steps by bv, the others' by bks) over their [rows, heads x
     width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible by the steps,
     16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
-    usable = (wanted and tma_supported(p.device) and p.K % bks == 0 and p.V % bv == 0
+    usable = (wanted and tma_supported(p.device) and p.K % bks == 0 and ("d_v" not in tensors or p.V % bv == 0)
               and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
                       for x in tensors.values()))
     if not usable:
