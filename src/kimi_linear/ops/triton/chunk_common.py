@@ -514,21 +514,12 @@ def clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV: tl.constexpr, K: t
     the exact reference-row levels (chunk_wy.diagonal_levels, kept for float32 inputs) take several. ``b_P``: gP
     of the chunk's rows at channels o_k (zero past T_n); the previous row's gP is a second load (L1 hits)."""
     o_t = tl.arange(0, BT)
-    m_s = ((t0 + o_t) < T_n) & ((o_t % BC) != 0)                            # [BT] rows with a step inside the block
+    m_t = (t0 + o_t) < T_n                                                  # [BT] rows of the sequence
+    m_s = m_t & ((o_t % BC) != 0)                                           # [BT] rows with a step inside the block
     o_p = tl.where(m_s, o_t - 1, o_t)
     p_x = gP + ((bos + t0) * HV + i_hv) * K
     b_Pp = tl.load(p_x + (o_p * (HV * K))[:, None] + o_k[None, :], mask=m_s[:, None] & (o_k < K)[None, :],
                    other=0.0)                                               # [BT, BKS] gP of the row before
-    return clamped_factors(b_P, b_Pp, t0, T_n, BT, BC, STEPS_PREC)
-
-
-@triton.jit
-def clamped_factors(b_P, b_Pp, t0, T_n, BT: tl.constexpr, BC: tl.constexpr, STEPS_PREC: tl.constexpr):
-    """:func:`clamped_diagonal_factors` from the chunk's gP tile and that of the rows before ([BT, BKS] each; the
-    latter read only inside the 16-row blocks, not on their first rows)."""
-    o_t = tl.arange(0, BT)
-    m_t = (t0 + o_t) < T_n                                                  # [BT] rows of the sequence
-    m_s = m_t & ((o_t % BC) != 0)                                           # [BT] rows with a step inside the block
     b_s = tl.where(m_s[:, None], tl.maximum(b_P - b_Pp, -DIAG_CLAMP), 0.0)  # [BT, BKS] clamped steps
     # c - m = M s with M[i, t] = [t <= i] - 1/2 inside each sub-block: the running sum of the clamped steps minus
     # half its total (c is 0 at a block's first row, its total at the last). A tensor-core product instead of a

@@ -406,9 +406,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
-        # banded_scores steps by 16 channels: descriptors of its own block width
-        band = tile_descriptors(p, cfg.scores_tma, dict(d_q16=q, d_k16=k, d_gP16=gP), 16, 16)
-        tiles.update({n: x for n, x in band.items() if n != "TMA"}, TMA16=band["TMA"])
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,

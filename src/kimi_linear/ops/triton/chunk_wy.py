@@ -41,7 +41,6 @@ from .chunk_common import (
     chunk_gate_terms,
     chunk_separable,
     clamped_diagonal_factors,
-    clamped_factors,
     diagonal_block_inverses,
     gate_terms,
     grid_coords,
@@ -238,15 +237,9 @@ def clamped_step(b_aq, b_ak, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV: tl.const
                  BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """One channel step of :func:`clamped_diagonal` from the step's q, k, gP tiles ([BT, BKS] float32), added to
     its [NB, BC, BC] tiles."""
-    b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
-    return clamped_products(b_aq, b_ak, b_q, b_k, b_rf, b_cf, BT, BC, PREC)
-
-
-@triton.jit
-def clamped_products(b_aq, b_ak, b_q, b_k, b_rf, b_cf, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """:func:`clamped_step`'s two batched products from the clamped factors ([BT, BKS] each)."""
     NB: tl.constexpr = BT // BC
-    BKS: tl.constexpr = b_q.shape[1]
+    BKS: tl.constexpr = b_P.shape[1]
+    b_rf, b_cf = clamped_diagonal_factors(gP, b_P, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, "tf32")   # [BT, BKS] x2
     b_ct = tl.trans(tl.reshape(tf32_operand(b_k * b_cf, PREC), [NB, BC, BKS]), 0, 2, 1)     # [NB, BKS, BC]
     b_aq = mm_rounded(tl.reshape(tf32_operand(b_q * b_rf, PREC), [NB, BC, BKS]), b_ct, b_aq, PREC)
     b_ak = mm_rounded(tl.reshape(tf32_operand(b_k * b_rf, PREC), [NB, BC, BKS]), b_ct, b_ak, PREC)
@@ -277,7 +270,7 @@ def block_subdiagonal(b_x, BT: tl.constexpr, BC: tl.constexpr):
 def banded_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    PREC: tl.constexpr, d_q, d_k, d_gP, TMA: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Aqk and Akk of a chunk of 16-bit inputs whose gate falls by more than BAND_LIMIT over sub-blocks 1 and 2 in
     every channel (chunk_common.sub_blocks_far): a pair two or more sub-blocks apart then has every factor
@@ -290,10 +283,7 @@ def banded_scores(
       are a second load of the chunk's k and gP rows shifted by BC (cache hits), so that block I - 1's rows sit in
       batch I.
 
-    With ``TMA`` (descriptors of [BT, BKS] blocks) every tile, the shifted ones and the row-before tile of the
-    clamped steps included, comes through the descriptors, whose loads Triton's pipeliner can issue ahead (rows
-    before the tensor's start read as zeros, rows before the sequence's are masked as with pointers). Returns
-    [BT, BT] float32 tiles, zero above the diagonal and off the three bands."""
+    Returns [BT, BT] float32 tiles, zero above the diagonal and off the three bands."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                              # [BT, 1] sub-block of each row
@@ -306,22 +296,12 @@ def banded_scores(
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         m = m_s & (o_k < K)[None, :]
-        if TMA:
-            b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)                 # [BT, BKS]
-            b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)
-            b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)
-            b_Pp = chunk_tile(gP, d_gP, bos, t0 - 1, T_n, i_hv, HV, K, c0, BKS, BT, TMA)        # the rows before
-            b_rf, b_cf = clamped_factors(b_P, b_Pp, t0, T_n, BT, BC, "tf32")                  # [BT, BKS] x2
-            b_dq, b_dk = clamped_products(b_dq, b_dk, b_q, b_k, b_rf, b_cf, BT, BC, PREC)
-            b_Ps = chunk_tile(gP, d_gP, bos, t0 - BC, T_n, i_hv, HV, K, c0, BKS, BT, TMA)   # block I - 1 in batch I
-            b_ks = chunk_tile(k, d_k, bos, t0 - BC, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)
-        else:
-            b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
-            b_dq, b_dk = clamped_step(b_dq, b_dk, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
-            b_Ps = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_s * (HV * K))[:, None] + o_k[None, :], mask=m,
-                           other=0.0)                                       # [BT, BKS] gP of block I - 1 in batch I
-            b_ks = tl.load(k + ((bos + t0) * H + i_h) * K + (o_s * (H * K))[:, None] + o_k[None, :], mask=m,
-                           other=0.0).to(tl.float32)                        # [BT, BKS]
+        b_P, b_k, b_q = diagonal_step_tiles(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, o_k)
+        b_dq, b_dk = clamped_step(b_dq, b_dk, b_q, b_k, b_P, gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC, PREC)
+        b_Ps = tl.load(gP + ((bos + t0) * HV + i_hv) * K + (o_s * (HV * K))[:, None] + o_k[None, :], mask=m,
+                       other=0.0)                                           # [BT, BKS] gP of block I - 1 in batch I
+        b_ks = tl.load(k + ((bos + t0) * H + i_h) * K + (o_s * (H * K))[:, None] + o_k[None, :], mask=m,
+                       other=0.0).to(tl.float32)                            # [BT, BKS]
         b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
         b_tot = tl.where(s_r == 1, b_t0[None, :], tl.where(s_r == 2, b_t1[None, :], b_t2[None, :]))   # tot_{I-1}
         b_cs = tl.where(m, b_ks * fast_exp(tl.where(m, b_tot - b_Ps, 0.0)), 0.0)            # [BT, BKS]
@@ -553,7 +533,6 @@ def chunk_kda_fwd_scores_kernel(
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
-    d_q16, d_k16, d_gP16, TMA16: tl.constexpr,  # the same with 16-channel blocks, for banded_scores' steps
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -580,8 +559,7 @@ def chunk_kda_fwd_scores_kernel(
                                        d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         elif banded:
-            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC,
-                                       d_q16, d_k16, d_gP16, TMA16)
+            b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
