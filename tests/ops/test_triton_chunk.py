@@ -625,3 +625,20 @@ def test_wy_value_step_keeps_descriptors(monkeypatch):
     assert tiles and all(tma for _, tma in tiles)
     assert {step for step, _ in tiles} == {32}                  # every tile by the key step, v included
     assert rel_err(o, o_ref) < tol(torch.bfloat16) and rel_err(S, S_ref) < tol(torch.bfloat16)
+
+
+def test_scores_descriptors_whatever_the_value_width(monkeypatch):
+    """The scores kernel reads no v, so its q, k and gP tiles come through descriptors whatever V is (V = 16 here,
+    below its 32-channel step; chunk_pipeline.tile_descriptors checks V only where v is among the tensors)."""
+    from kimi_linear.ops.triton import chunk_wy
+
+    x = make_inputs(B=1, T=130, H=1, HV=1, K=32, V=16, dtype=torch.bfloat16, seed=96)
+    tiles = []
+    real_tile = chunk_wy.chunk_tile
+    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append(bool(a[-1])) or real_tile(*a))
+    scores = spy_calls(monkeypatch, chunk_wy, "separable_scores")
+    o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
+                         NO_OPTIONS, None, cfg=LaunchConfig())
+    assert scores and tiles and all(tiles)                        # the WY kernel's too (its steps divide V)
+    o_ref, S_ref = reference(x, NO_OPTIONS)
+    assert rel_err(o, o_ref) < tol(torch.bfloat16) and rel_err(S, S_ref) < tol(torch.bfloat16)
