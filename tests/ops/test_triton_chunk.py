@@ -23,6 +23,7 @@ from .triton_cases import (  # noqa: E402, F401  (poison_empty: autouse fixture)
     poison_empty,
     reference,
     spy_calls,
+    spy_tiles,
     stepped_gates,
     strong_gate,
 )
@@ -490,17 +491,15 @@ def test_descriptor_tiles_in_every_score_path(dtype, monkeypatch):
     g[:, :, 0] = -3.0 + 0.1 * torch.randn(2, 130, 64, generator=torch.Generator().manual_seed(75),
                                           dtype=torch.float64)
     x["g"] = g.to(dtype)
-    tiles = []                                  # chunk_wy.chunk_tile's TMA flag, call by call
-    real_tile = chunk_wy.chunk_tile
-    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append(bool(a[-1])) or real_tile(*a))
+    tiles = spy_tiles(monkeypatch)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, x["initial_state"], True, NO_OPTIONS, None)
     o_ptr, S_ptr = chunk_kda_fwd(*args, cfg=LaunchConfig(scores_tma=False, wy_tma=False))
-    assert tiles and not any(tiles)
+    assert tiles and not any(tma for _, tma in tiles)
     tiles.clear()
     o, S = chunk_kda_fwd(*args, cfg=LaunchConfig())
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert blocked and (halves or dtype == torch.float32)        # float32 takes no halves path
-    assert tiles and all(tiles)                                  # every path's tiles came by descriptor
+    assert tiles and all(tma for _, tma in tiles)                # every path's tiles came by descriptor
     assert torch.equal(o, o_ptr) and torch.equal(S, S_ptr)
     assert rel_err(o, o_ref) < tol(dtype) and rel_err(S, S_ref) < tol(dtype)
 
@@ -613,12 +612,9 @@ def test_wy_value_step_keeps_descriptors(monkeypatch):
     """The WY kernel's u loop steps by ``LaunchConfig.wy_bv`` (64) where that divides V, else by the key step, so
     that V = 96 keeps every tile on TMA descriptors (a step of 64 would leave V's last block partial and turn them
     all into pointer loads): every chunk_tile call there by descriptor, and the reference's numbers."""
-    from kimi_linear.ops.triton import chunk_wy
 
     x = make_inputs(B=1, T=70, H=1, HV=1, K=32, V=96, dtype=torch.bfloat16, seed=93)
-    tiles = []
-    real_tile = chunk_wy.chunk_tile
-    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append((a[-3], bool(a[-1]))) or real_tile(*a))
+    tiles = spy_tiles(monkeypatch)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True, NO_OPTIONS, None)
     o, S = chunk_kda_fwd(*args, cfg=LaunchConfig(wy_bv=64))
     o_ref, S_ref = reference(x, NO_OPTIONS)
@@ -633,12 +629,10 @@ def test_scores_descriptors_whatever_the_value_width(monkeypatch):
     from kimi_linear.ops.triton import chunk_wy
 
     x = make_inputs(B=1, T=130, H=1, HV=1, K=32, V=16, dtype=torch.bfloat16, seed=96)
-    tiles = []
-    real_tile = chunk_wy.chunk_tile
-    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append(bool(a[-1])) or real_tile(*a))
+    tiles = spy_tiles(monkeypatch)
     scores = spy_calls(monkeypatch, chunk_wy, "separable_scores")
     o, S = chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["initial_state"], True,
                          NO_OPTIONS, None, cfg=LaunchConfig())
-    assert scores and tiles and all(tiles)                        # the WY kernel's too (its steps divide V)
+    assert scores and tiles and all(tma for _, tma in tiles)      # the WY kernel's too (its steps divide V)
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < tol(torch.bfloat16) and rel_err(S, S_ref) < tol(torch.bfloat16)

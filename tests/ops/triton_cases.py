@@ -111,3 +111,13 @@ def force_levels(monkeypatch):
     from kimi_linear.ops.triton import chunk_bwd
 
     monkeypatch.setattr(chunk_bwd, "SAFE_EXP", tl.constexpr(-1.0))
+
+
+def spy_tiles(monkeypatch):
+    """Record each chunk_wy.chunk_tile call as (channel step, whether through a descriptor), in call order."""
+    from kimi_linear.ops.triton import chunk_wy
+
+    tiles = []
+    real = chunk_wy.chunk_tile
+    monkeypatch.setattr(chunk_wy, "chunk_tile", lambda *a: tiles.append((a[-3], bool(a[-1]))) or real(*a))
+    return tiles
