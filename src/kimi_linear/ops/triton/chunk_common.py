@@ -204,6 +204,18 @@ def load_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: 
 
 
 @triton.jit
+def prefetch_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0, BR: tl.constexpr):
+    """Ask L2 for rows r0 .. r0 + BR of a ``[*, NH, W]`` tensor at column c0 (one line a row; rows past T_n take
+    the last row's address): no wait and no register held, where a load a step ahead held its tile (and spilled).
+    Nothing under the interpreter."""
+    if not INTERPRET:
+        o_r = tl.minimum(r0 + tl.arange(0, BR), T_n - 1)
+        p_x = p + ((bos + o_r) * NH + i_h) * W + c0                         # [BR] row starts
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p_x], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def store_rows(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: tl.constexpr):
     """Store ``b_x [BR, len(o_c)]`` into rows r0 .. of a ``[*, NH, W]`` tensor (rows past T_n skipped; masks as in
     :func:`load_rows`)."""

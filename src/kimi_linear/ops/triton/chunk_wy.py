@@ -54,6 +54,7 @@ from .chunk_common import (
     mm_rounded,
     mm_split,
     own_totals,
+    prefetch_rows,
     row_halves,
     row_inv_norms,
     separable_exponent,
@@ -699,8 +700,10 @@ def wy_products(
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         # q feeds no product, so Triton does not pipeline it: through a descriptor the step waited on its load at
-        # once; by pointers, issued first, it overlaps the gate and k loads
+        # once; by pointers, issued first, it overlaps the gate and k loads. Its rows still come from DRAM each
+        # step, so the next step's rows are asked of L2 now (a load a step ahead held its tile and spilled)
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
+        prefetch_rows(q, bos, t0, T_n, i_h, H, K, tl.minimum(c0 + BKS, K - BKS), BT)
         if TMA:
             b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
             b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
