@@ -754,10 +754,10 @@ def chunk_kda_fwd_wy_kernel(
     # The first key and value steps' tiles asked of L2 before the inverse, whose latency chain hides their DRAM
     # time; the pipeliner issues its own loads of them only when the loops start
     i_h = i_hv // (HV // H)
-    prefetch_columns(k, bos, t0, T_n, i_h, H, K, K, 64, BT)
-    prefetch_columns(q, bos, t0, T_n, i_h, H, K, K, 64, BT)
-    prefetch_columns(gP, bos, t0, T_n, i_hv, HV, K, K, 32, BT)
-    prefetch_columns(v, bos, t0, T_n, i_hv, HV, V, V, 64, BT)
+    prefetch_columns(k, bos, t0, T_n, i_h, H, K, 64, 64, BT)
+    prefetch_columns(q, bos, t0, T_n, i_h, H, K, 64, 64, BT)
+    prefetch_columns(gP, bos, t0, T_n, i_hv, HV, K, 64, 32, BT)
+    prefetch_columns(v, bos, t0, T_n, i_hv, HV, V, 64, 64, BT)
     if STAGE == 0:
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
