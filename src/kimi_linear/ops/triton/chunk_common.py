@@ -216,15 +216,6 @@ def prefetch_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0, B
 
 
 @triton.jit
-def prefetch_columns(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, C: tl.constexpr, STEP: tl.constexpr,
-                     BR: tl.constexpr):
-    """:func:`prefetch_rows` at columns 0, STEP, .. below min(C, W): the lines a loop's first steps will read."""
-    for c0 in tl.static_range(0, C, STEP):
-        if c0 < W:
-            prefetch_rows(p, bos, r0, T_n, i_h, NH, W, c0, BR)
-
-
-@triton.jit
 def store_rows(p, b_x, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, o_c, BR: tl.constexpr):
     """Store ``b_x [BR, len(o_c)]`` into rows r0 .. of a ``[*, NH, W]`` tensor (rows past T_n skipped; masks as in
     :func:`load_rows`)."""

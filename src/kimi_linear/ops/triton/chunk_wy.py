@@ -54,7 +54,6 @@ from .chunk_common import (
     mm_rounded,
     mm_split,
     own_totals,
-    prefetch_columns,
     prefetch_rows,
     row_halves,
     row_inv_norms,
@@ -751,17 +750,10 @@ def chunk_kda_fwd_wy_kernel(
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    # The first key and value steps' tiles asked of L2 before the inverse, whose latency chain hides their DRAM
-    # time; the pipeliner issues its own loads of them only when the loops start
-    i_h = i_hv // (HV // H)
-    prefetch_columns(k, bos, t0, T_n, i_h, H, K, 64, 64, BT)
-    prefetch_columns(q, bos, t0, T_n, i_h, H, K, 64, 64, BT)
-    prefetch_columns(gP, bos, t0, T_n, i_hv, HV, K, 64, 32, BT)
-    prefetch_columns(v, bos, t0, T_n, i_hv, HV, V, 64, 64, BT)
     if STAGE == 0:
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
-    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
                 d_k, d_v, d_gP, TMA)
