@@ -339,11 +339,10 @@ class Problem:
 
 def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int) -> dict:
     """Tensor-descriptor arguments of a kernel (chunk_wy.chunk_tile): TMA descriptors of the ``tensors`` ([B, T,
-    heads, width] each, named ``d_*``; v's and u's widths step by bv, the others' by bks) over their [rows, heads x
+    heads, width] each, named ``d_*``; v's width steps by bv, the others' by bks) over their [rows, heads x
     width] views with [BT, step] blocks, when ``wanted`` and the shapes allow (widths divisible by the steps,
     16-byte row strides), else the tensors themselves (unused) and ``TMA=False``."""
-    usable = (wanted and tma_supported(p.device) and p.K % bks == 0
-              and (not {"d_v", "d_u"} & tensors.keys() or p.V % bv == 0)
+    usable = (wanted and tma_supported(p.device) and p.K % bks == 0 and ("d_v" not in tensors or p.V % bv == 0)
               and all(x.is_contiguous() and (x.shape[2] * x.shape[3] * x.element_size()) % 16 == 0
                       for x in tensors.values()))
     if not usable:
@@ -353,7 +352,7 @@ def tile_descriptors(p: Problem, wanted: bool, tensors: dict, bks: int, bv: int)
     def desc(x, step):
         return TensorDescriptor.from_tensor(x.view(-1, x.shape[2] * x.shape[3]), [BT, step])
 
-    return dict({n: desc(x, bv if n in ("d_v", "d_u") else bks) for n, x in tensors.items()}, TMA=True)
+    return dict({n: desc(x, bv if n == "d_v" else bks) for n, x in tensors.items()}, TMA=True)
 
 
 def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_state: bool,
@@ -420,8 +419,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
                   kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=wy_bv,
                   USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
-        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP, d_w=w, d_u=u, d_qg=qg, d_kg=kg),
-                                   wy["BKS"], wy["BV"]))
+        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
         chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
                                                num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan

@@ -36,7 +36,6 @@ import triton.language as tl
 from .chunk_common import (
     bf16_split,
     block_of,
-    cast,
     channel_halves,
     chunk_coords,
     chunk_gate_terms,
@@ -685,23 +684,11 @@ def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0,
 
 
 @triton.jit
-def store_tile(p, d_p, b_x, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0, BKS: tl.constexpr,
-               BT: tl.constexpr, TMA: tl.constexpr):
-    """Store ``b_x`` ([BT, BKS]) as rows t0 .. of a ``[*, NH, W]`` tensor at columns c0 ..: with ``TMA`` through the
-    descriptor ``d_p`` (as :func:`chunk_tile`) where the chunk is whole, since a block store past T_n would write
-    the next sequence's rows; by pointers otherwise."""
-    if TMA and t0 + BT <= T_n:
-        d_p.store([(bos + t0).to(tl.int32), i_h * W + c0], cast(b_x, p.dtype.element_ty))
-    else:
-        store_rows(p, b_x, bos, t0, T_n, i_h, NH, W, c0 + tl.arange(0, BKS), BT)
-
-
-@triton.jit
 def wy_products(
     q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, d_w, d_u, d_qg, d_kg, TMA: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
     key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the k, v and gP tiles
@@ -727,9 +714,9 @@ def wy_products(
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = b_q.to(tl.float32) * b_rq[:, None]
         b_w = wy_product(b_Th, b_k * b_eG, PREC)
-        store_tile(w, d_w, b_w, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)
-        store_tile(qg, d_qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)
-        store_tile(kg, d_kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)
+        store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
         tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
     # bf16 values: u by two bf16 products of v as loaded against the tf32 operand split in two (mm_split), the
     # same numbers as the tf32 product; other dtypes by wy_product
@@ -737,12 +724,13 @@ def wy_products(
     if SPLIT:
         b_Thi, b_Tlo = bf16_split(b_Th)                                      # [BT, BT] x2
     for c0 in range(0, V, BV):
+        o_v = c0 + tl.arange(0, BV)
         b_v = chunk_tile(v, d_v, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA)                  # [BT, BV]
         if SPLIT:
             b_u = mm_split(b_Thi, b_Tlo, b_v)
         else:
             b_u = wy_product(b_Th, b_v.to(tl.float32), PREC)
-        store_tile(u, d_u, b_u, bos, t0, T_n, i_hv, HV, V, c0, BV, BT, TMA)
+        store_rows(u, b_u, bos, t0, T_n, i_hv, HV, V, o_v, BT)
 
 
 @triton.jit
@@ -755,8 +743,7 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr, STORE_T: tl.constexpr,
-    d_k, d_v, d_gP, d_w, d_u, d_qg, d_kg,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
-    TMA: tl.constexpr,
+    d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
     the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
@@ -769,4 +756,4 @@ def chunk_kda_fwd_wy_kernel(
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
     wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                d_k, d_v, d_gP, d_w, d_u, d_qg, d_kg, TMA)
+                d_k, d_v, d_gP, TMA)
