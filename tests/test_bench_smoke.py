@@ -184,3 +184,30 @@ def test_kda_ab_saves_each_profile_and_tables_merge_calls(tmp_path, monkeypatch,
     assert "### mild (ms, median of 3" in out
     assert "| A | 3.000 (10.000) | 0.500 (0.000) |" in out      # A: 1, 3, 11
     assert "| B | 3.000 (2.000) | 0.500 (0.000) |" in out       # B: 2, 4
+
+
+def run_kda_grid(tmp_path, *args, python=None):
+    """bench/kda_grid.sh OUT ARGS, with ``python`` (a script) as its interpreter when given."""
+    env = {**os.environ, **({"PYTHON": str(python)} if python else {})}
+    return subprocess.run(["bash", str(ROOT / "bench" / "kda_grid.sh"), str(tmp_path / "out"), *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def test_kda_grid_arguments(tmp_path):
+    """bench/kda_grid.sh, the device call of issue 20: with --card it runs nothing on another card (here: none);
+    an unknown argument is refused by name; after --, arguments reach kda_kernels.py's grid, and each asked step
+    runs with its own command (a fake interpreter records them)."""
+    skipped = run_kda_grid(tmp_path, "--card", "H200")
+    assert skipped.returncode == 0 and "not a H200: nothing run" in skipped.stdout
+    bad = run_kda_grid(tmp_path, "--bogus")
+    assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+    fake = tmp_path / "fake_python"
+    fake.write_text('#!/bin/sh\necho "ran: $*"\n')
+    fake.chmod(0o755)
+    done = run_kda_grid(tmp_path, "--check", "--fla-tests", "--", "--shapes", "16x2048", python=fake)
+    assert done.returncode == 0, done.stdout + done.stderr
+    logs = {n: (tmp_path / "out" / f"{n}.log").read_text() for n in ("grid", "check", "fla_tests")}
+    assert "bench/kda_kernels.py --regimes --no-decode --budget 360" in logs["grid"]
+    assert logs["grid"].rstrip().endswith("--shapes 16x2048")
+    assert "--check --only check" in logs["check"] and "bench/fla_tests.py --jobs 8" in logs["fla_tests"]
+    assert "== grid: exit 0" in done.stdout and "== fla_tests: exit 0" in done.stdout
