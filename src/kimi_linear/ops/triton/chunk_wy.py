@@ -38,9 +38,11 @@ from .chunk_common import (
     block_of,
     channel_halves,
     chunk_coords,
+    chunk_gate_terms,
     chunk_separable,
     clamped_diagonal_factors,
     diagonal_block_inverses,
+    gate_terms,
     grid_coords,
     halves_exponents,
     level_factor,
@@ -65,7 +67,6 @@ from .chunk_common import (
     vector_halves,
 )
 from .fastmath import fast_exp
-from .transforms import kda_gate
 
 
 @triton.jit
@@ -683,46 +684,19 @@ def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0,
 
 
 @triton.jit
-def raw_gate_terms(g, d_g, gate_a, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr,
-                   c0, BKS: tl.constexpr, BT: tl.constexpr, TMA: tl.constexpr, USE_GATE: tl.constexpr,
-                   USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """chunk_common.chunk_gate_terms' (G, Gs, G_C) at channels c0 .. c0 + BKS from the raw gate's tile (the log
-    decay itself without ``USE_GATE``), so that the WY kernel reads g (the input's dtype) instead of the float32
-    gate sums: the gate formula as chunk_prepare applies it, then G by a scan down the chunk and Gs by a reverse
-    scan less the row's own term. Gs is so a sum of the later rows' non-positive terms; G_C - G would be the
-    difference of two prefix sums, which after a gate of -1000 carry 4e-3 of rounding into exponents near 0."""
-    o_k = c0 + tl.arange(0, BKS)
-    m = ((t0 + tl.arange(0, BT)) < T_n)[:, None] & (o_k < K)[None, :]
-    b_g = chunk_tile(g, d_g, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-    if USE_GATE:
-        b_bias = tl.zeros([BKS], dtype=tl.float32)
-        if HAS_DT_BIAS:
-            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        b_g = kda_gate(b_g, b_bias[None, :], gate_a, lower_bound, USE_LOWER_BOUND)
-    # rows past the sequence end add nothing (their gate would otherwise be softplus(dt_bias)), as in chunk_prepare
-    b_g = tl.where(m, b_g, 0.0)
-    return tl.cumsum(b_g, 0), tl.cumsum(b_g, 0, reverse=True) - b_g, tl.sum(b_g, 0)
-
-
-@triton.jit
 def wy_products(
-    q, k, v, beta, g, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_g, TMA: tl.constexpr,
-    A_log, dt_bias, lower_bound, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, qg, kg, decay) and the value side (u). The gate terms come from the raw gate g
-    (:func:`raw_gate_terms`; A_log .. HAS_DT_BIAS as chunk_prepare takes them). ``TMA`` (LaunchConfig.wy_tma):
-    the k, v and g tiles through tensor descriptors ``d_*`` (:func:`chunk_tile`); q always by pointers (below)."""
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the k, v and gP tiles
+    through tensor descriptors ``d_*`` (:func:`chunk_tile`); q always by pointers (below)."""
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     # w = Tm diag(beta) (k exp(G)) and u = Tm diag(beta) v: beta folded into the inverse's columns once per chunk
     b_Th = wy_inverse_operand(b_T * b_beta[None, :], PREC)                   # [BT, BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
-    b_a = 1.0
-    if USE_GATE:
-        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         # q feeds no product, so Triton does not pipeline it: through a descriptor the step waited on its load at
@@ -730,8 +704,12 @@ def wy_products(
         # step, so the next step's rows are asked of L2 now (a load a step ahead held its tile and spilled)
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
         prefetch_rows(q, bos, t0, T_n, i_h, H, K, tl.minimum(c0 + BKS, K - BKS), BT)
-        b_G, b_Gs, b_GC = raw_gate_terms(g, d_g, b_a, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K, c0, BKS,
-                                         BT, TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)   # [BT, BKS] x2, [BKS]
+        if TMA:
+            b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
+            b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
+            b_G, b_Gs, b_GC = gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT, BC)
+        else:
+            b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = b_q.to(tl.float32) * b_rq[:, None]
@@ -757,7 +735,7 @@ def wy_products(
 
 @triton.jit
 def chunk_kda_fwd_wy_kernel(
-    q, k, v, beta, g, rq, rk, Akk,    # inputs (g: the raw gate; Akk from the scores kernel)
+    q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
     Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
     cu_seqlens, chunk_indices,
     T, NT,
@@ -765,9 +743,7 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr, STORE_T: tl.constexpr,
-    d_k, d_v, d_g, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
-    A_log, dt_bias, lower_bound,      # the gate formula's (as chunk_prepare takes them)
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
     the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
@@ -778,6 +754,6 @@ def chunk_kda_fwd_wy_kernel(
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
-    wy_products(q, k, v, beta, g, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                d_k, d_v, d_g, TMA, A_log, dt_bias, lower_bound, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+                d_k, d_v, d_gP, TMA)
