@@ -39,7 +39,7 @@ if [ -n "$CARD" ] && [[ "$GPU" != *"$CARD"* ]]; then
 fi
 SITE=/tmp/site
 if ! PYTHONPATH=$SITE "$PY" -c "import fla" 2>/dev/null; then
-    WHEELS=$(ls .whl/*.whl .fla/wheels/*.whl 2>/dev/null | sort -u -t/ -k3)
+    WHEELS=$(ls .fla/wheels/*.whl 2>/dev/null || ls .whl/*.whl 2>/dev/null)   # one folder: pip refuses a wheel twice
     if [ -n "$WHEELS" ]; then
         # shellcheck disable=SC2086
         "$PY" -m pip install -q --no-deps --no-index --target "$SITE" $WHEELS 2>&1 | grep -v WARNING

@@ -211,3 +211,28 @@ def test_kda_grid_arguments(tmp_path):
     assert logs["grid"].rstrip().endswith("--shapes 16x2048")
     assert "--check --only check" in logs["check"] and "bench/fla_tests.py --jobs 8" in logs["fla_tests"]
     assert "== grid: exit 0" in done.stdout and "== fla_tests: exit 0" in done.stdout
+
+
+def test_kda_grid_installs_fla_from_one_wheel_folder(tmp_path):
+    """Without fla importable, bench/kda_grid.sh installs the wheels of one folder (.fla/wheels when it has any,
+    else .whl: pip refuses the same wheel twice), every wheel of it."""
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    (repo / "bench" / "kda_grid.sh").write_text((ROOT / "bench" / "kda_grid.sh").read_text())
+    (repo / ".whl").mkdir()
+    for name in ("einops.whl", "fla_core.whl"):
+        (repo / ".whl" / name).touch()
+    fake = tmp_path / "fake_python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *"import fla"*) exit 1;; esac\necho "ran: $*"\n')
+    fake.chmod(0o755)
+
+    def install_line():
+        done = subprocess.run(["bash", str(repo / "bench" / "kda_grid.sh"), str(tmp_path / "out"), "--no-grid"],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": str(fake)})
+        assert done.returncode == 0, done.stderr
+        return next(line for line in done.stdout.splitlines() if "pip install" in line)
+
+    assert install_line().endswith(".whl/einops.whl .whl/fla_core.whl")
+    (repo / ".fla" / "wheels").mkdir(parents=True)
+    (repo / ".fla" / "wheels" / "fla_core.whl").touch()
+    assert install_line().endswith("--target /tmp/site .fla/wheels/fla_core.whl")
