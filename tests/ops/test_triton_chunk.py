@@ -636,3 +636,46 @@ def test_scores_descriptors_whatever_the_value_width(monkeypatch):
     assert scores and tiles and all(tma for _, tma in tiles)      # the WY kernel's too (its steps divide V)
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < tol(torch.bfloat16) and rel_err(S, S_ref) < tol(torch.bfloat16)
+
+
+def test_prepare_flags_exactly_the_separable_chunks(monkeypatch):
+    """chunk_prepare's per-chunk flag, which both scores launches read instead of deciding each for itself: a
+    chunk is separable when every channel's log decay falls by less than HALF_LIMIT (80) over each 32-row half,
+    here recomputed in float64 from the same gates. Value heads stepping about -0.5, -2.4 and -6 a step put
+    chunks on both sides (-2.4 a step falls by ~77 over a half, so noise decides); packed sequences of lengths
+    that are not multiples of 64 flag their last chunks by their own rows. A forward with no backward to follow
+    stores gP only where the flag is off; with one to follow, everywhere."""
+    from kimi_linear.ops.triton import chunk_pipeline
+
+    seen = []
+    real = chunk_pipeline.chunk_kda_prepare_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                out = real[grid](**kw)
+                seen.append({n: kw[n].clone() if torch.is_tensor(kw[n]) else kw[n] for n in kw})
+                return out
+            return launch
+
+    monkeypatch.setattr(chunk_pipeline, "chunk_kda_prepare_kernel", Spy())
+    cu = torch.tensor([0, 100, 100, 230, 300])
+    x = stepped_gates(make_inputs(B=1, T=300, H=1, HV=3, K=32, V=16, N=4, seed=80), (-0.5, -2.4, -6.0), seed=81)
+    chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], False, NO_OPTIONS, cu)
+    flags, gP = seen[-1]["separable"], seen[-1]["gP"]
+    g = x["g"].double()[0]                                                 # [T, HV, K]
+    want, rows = [], []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for t0 in range(s, e, 64):
+            halves = [g[a:min(b, e)].sum(0) for a, b in ((t0, t0 + 32), (t0 + 32, t0 + 64))]   # [HV, K] each
+            want.append((torch.maximum(-halves[0], -halves[1]).amax(-1) < 80).tolist())
+            rows.append((t0, min(t0 + 64, e)))
+    assert flags.bool().tolist() == want
+    assert 0 < sum(map(sum, want)) < 3 * len(want)                          # both kinds present
+    for (t0, t1), sep in zip(rows, want):
+        for hv in range(3):
+            stored = not torch.isnan(gP[0, t0:t1, hv]).any()               # poison_empty: NaN where never written
+            assert stored == (not sep[hv])
+    chunk_kda(*(x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")), scale=0.2,
+              initial_state=x["initial_state"], cu_seqlens=cu)
+    assert not torch.isnan(seen[-1]["gP"]).any()                           # kept for the backward: all of it
