@@ -77,7 +77,7 @@ class LaunchConfig:
     wy_bv: int = 64
     wy_warps: int = 4
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
-    # The WY products' k, v and gate tiles through TMA tensor descriptors (chunk_wy.chunk_tile), which Triton's
+    # The WY products' k, v and gP tiles through TMA tensor descriptors (chunk_wy.chunk_tile), which Triton's
     # software pipeliner prefetches into shared memory (Nsight Compute, 2026-12-01: the products waited on their
     # pointer loads, which it does not pipeline). H200: WY kernel 1.77 -> 1.64 ms, the backward's recompute 1.12 ->
     # 0.98, outputs bit-identical. Used on sm_90+ where the widths divide by the channel step, else pointer loads.
@@ -372,12 +372,10 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     rk = p.empty(B, T, H) if norms else (kept.rk if kept is not None else None)
     IS_VARLEN = p.cu_seqlens is not None
     if kept is None:
-        # gP only where the scores read it (chunks that are not separable), or everywhere when the backward keeps it
         gP = p.empty(B, T, HV, K)
-        separable = torch.empty(max(NT, 1), HV, dtype=torch.int8, device=q.device)
         chunk_kda_prepare_kernel[p.grid(1, HV)](
-            g=g, gP=gP, separable=separable, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
-            HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN, STORE_ALL=keep,
+            g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+            HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
             num_warps=4,
         )
     else:
@@ -407,13 +405,12 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         # float32 inputs take the blocked scheme: by halves has not run on the GPU with exact float32 products (a
         # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
         halves = p.prec == "tf32"
-        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP, d_g=g), bks, bks)
-        for sep in (True, False):
+        tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
+        for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=sep, HALVES=halves, **tiles, g=g,
-                separable=separable, **p.gate(),
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
-                **reg_cap(cfg.scores_regs if sep else cfg.scores_rest_regs), **shared,
+                **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     if factors is None:
@@ -422,13 +419,9 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         wy = dict(v=v, beta=beta, Akk=Akk, Tm=p.ptr(Tm), STORE_T=Tm is not None and kept is None, w=w, u=u, qg=qg,
                   kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=wy_bv,
                   USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
-        # The WY kernel reads the raw gate (the input's dtype) in place of the float32 gate sums and applies the
-        # gate formula itself, in the forward and in the backward's recompute alike (the same bits)
-        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_g=g), wy["BKS"], wy["BV"]))
-        rest = {n: x for n, x in shared.items() if n != "gP"}
+        wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
         chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
-                                               num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **rest,
-                                               g=g, **p.gate())
+                                               num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)
     vn = p.dummy if fused else p.empty(B, T, HV, V, dtype=p.sdt)

@@ -38,8 +38,11 @@ from .chunk_common import (
     block_of,
     channel_halves,
     chunk_coords,
+    chunk_gate_terms,
+    chunk_separable,
     clamped_diagonal_factors,
     diagonal_block_inverses,
+    gate_terms,
     grid_coords,
     halves_exponents,
     level_factor,
@@ -54,6 +57,8 @@ from .chunk_common import (
     prefetch_rows,
     row_halves,
     row_inv_norms,
+    separable_exponent,
+    separable_offset,
     store_row_norms,
     store_rows,
     sub_block_totals,
@@ -62,7 +67,6 @@ from .chunk_common import (
     vector_halves,
 )
 from .fastmath import fast_exp
-from .transforms import kda_gate
 
 
 @triton.jit
@@ -436,25 +440,29 @@ def blocked_scores(
 
 @triton.jit
 def separable_scores(
-    q, k, g, bos, t0, T_n, i_h, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
-    d_q, d_k, d_g, TMA: tl.constexpr, gate_a, dt_bias, lower_bound, USE_GATE: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    q, k, gP, bos, t0, T_n, i_h, i_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, PREC: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,
 ):
-    """The scores of a separable chunk (the common case; chunk_common.chunk_separable's test, taken by
-    chunk_prepare): with ``D_i = G_i - G_31``, ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel step is one
-    product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs (j <= i) are
-    <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. D comes from the raw gate
-    (:func:`raw_gate_tile`): a scan down the chunk less the first half's sum, |G| < 2 HALF_LIMIT on such a chunk,
-    so the difference costs ~1e-5 of its exponent. ``TMA`` (LaunchConfig.scores_tma): the q, k and g tiles through
-    the descriptors ``d_*`` (:func:`chunk_tile`)."""
-    m_h = (tl.arange(0, BT) < BT // 2)[:, None]                            # [BT, 1] rows of the first half
+    """The scores of a chunk that :func:`chunk_separable` accepts (the common case): with
+    ``D_i = G_i - R`` (chunk_common.separable_exponent), ``exp(G_i - G_j) = exp(D_i) exp(-D_j)``, so each channel
+    step is one product of rows ``q_i exp(D_i)`` (``k_i exp(D_i)``) and columns ``k_j exp(-D_j)``. Kept pairs
+    (j <= i) are <= 1; the dropped ones (j > i) may overflow, and are only ever selected away. ``TMA``
+    (LaunchConfig.scores_tma): the q, k and gP tiles through the descriptors ``d_*``
+    (:func:`chunk_tile`)."""
+    o_t = tl.arange(0, BT)
+    s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     b_aq = tl.zeros([BT, BT], dtype=tl.float32)
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
-        b_g = raw_gate_tile(g, d_g, gate_a, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA,
-                            USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)        # [BT, BKS]
-        b_D = tl.cumsum(b_g, 0) - tl.sum(tl.where(m_h, b_g, 0.0), 0)[None, :]   # [BT, BKS]
+        o_k = c0 + tl.arange(0, BKS)
+        if TMA:
+            b_t0, b_t1, b_t2, _ = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x3
+            b_D = separable_offset(chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA),
+                                   b_t0, b_t1, b_t2, s_r)                  # [BT, BKS]
+        else:
+            b_D = separable_exponent(gP, bos, t0, T_n, i_hv, HV, K, o_k, s_r, BT, BC)   # [BT, BKS]
         b_er = fast_exp(b_D)                                               # [BT, BKS]
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_ct = tl.trans(tf32_operand(b_k * fast_exp(-b_D), PREC))          # [BKS, BT]
@@ -519,19 +527,16 @@ def halves_scores(
 @triton.jit
 def chunk_kda_fwd_scores_kernel(
     q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
-    g, separable,                     # the raw gate [B, T, HV, K]; [NT, HV] int8 (chunk_prepare)
-    A_log, dt_bias, lower_bound,      # the gate formula's (as chunk_prepare takes them)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
-    d_q, d_k, d_gP, d_g, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
-    """The chunks chunk_prepare flags separable (``SEPARABLE``, from the raw gate g), or the others (from gP):
-    launches that read the same flags, so every chunk is written exactly once, and each compiles only its own path
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
     (the separable one in 160 registers a thread, the other capped at 168). ``HALVES`` (16-bit inputs): of the
     others, those that chunk_common.sub_blocks_kind finds bounded per sub-block by :func:`halves_scores` (in this
     launch; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), those it finds far by
@@ -540,12 +545,11 @@ def chunk_kda_fwd_scores_kernel(
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
-    sep = tl.load(separable + i_c.to(tl.int64) * HV + i_hv) != 0
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
     if SEPARABLE:
         if sep:
-            b_aq, b_ak = separable_scores(q, k, g, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, PREC, d_q, d_k, d_g,
-                                          TMA, gate_scale(A_log, i_hv, USE_GATE), dt_bias, lower_bound, USE_GATE,
-                                          USE_LOWER_BOUND, HAS_DT_BIAS)
+            b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
+                                          PREC, d_q, d_k, d_gP, TMA)
             finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
     elif not sep:
         bounded, banded = False, False
@@ -680,58 +684,19 @@ def chunk_tile(p, d_p, bos, t0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0,
 
 
 @triton.jit
-def raw_gate_tile(g, d_g, gate_a, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, c0,
-                  BKS: tl.constexpr, BT: tl.constexpr, TMA: tl.constexpr, USE_GATE: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """The chunk's log decay at channels c0 .. c0 + BKS ([BT, BKS] float32) from the raw gate's tile (the log decay
-    itself without ``USE_GATE``): the gate formula as chunk_prepare applies it (``gate_a = exp(A_log)``), zero on
-    rows past the sequence end and channels past K."""
-    o_k = c0 + tl.arange(0, BKS)
-    m = ((t0 + tl.arange(0, BT)) < T_n)[:, None] & (o_k < K)[None, :]
-    b_g = chunk_tile(g, d_g, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
-    if USE_GATE:
-        b_bias = tl.zeros([BKS], dtype=tl.float32)
-        if HAS_DT_BIAS:
-            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        b_g = kda_gate(b_g, b_bias[None, :], gate_a, lower_bound, USE_LOWER_BOUND)
-    return tl.where(m, b_g, 0.0)
-
-
-@triton.jit
-def gate_scale(A_log, i_hv, USE_GATE: tl.constexpr):
-    """``exp(A_log[i_hv])`` for the gate formula (1.0 without the gate in the kernels)."""
-    b_a = 1.0
-    if USE_GATE:
-        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    return b_a
-
-
-@triton.jit
-def raw_gate_terms(b_g):
-    """chunk_common.chunk_gate_terms' (G, Gs, G_C) from the chunk's log-decay tile ([BT, BKS], :func:`raw_gate_tile`)
-    rather than the float32 gate sums: G by a scan down the chunk and Gs by a reverse scan less the row's own term.
-    Gs is so a sum of the later rows' non-positive terms; G_C - G would be the difference of two prefix sums, which
-    after a gate of -1000 carry 4e-3 of rounding into exponents near 0."""
-    return tl.cumsum(b_g, 0), tl.cumsum(b_g, 0, reverse=True) - b_g, tl.sum(b_g, 0)
-
-
-@triton.jit
 def wy_products(
-    q, k, v, beta, g, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
+    q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_g, TMA: tl.constexpr,
-    A_log, dt_bias, lower_bound, USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, qg, kg, decay) and the value side (u). The gate terms come from the raw gate g
-    (:func:`raw_gate_terms`; A_log .. HAS_DT_BIAS as chunk_prepare takes them). ``TMA`` (LaunchConfig.wy_tma):
-    the k, v and g tiles through tensor descriptors ``d_*`` (:func:`chunk_tile`); q always by pointers (below)."""
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the k, v and gP tiles
+    through tensor descriptors ``d_*`` (:func:`chunk_tile`); q always by pointers (below)."""
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     # w = Tm diag(beta) (k exp(G)) and u = Tm diag(beta) v: beta folded into the inverse's columns once per chunk
     b_Th = wy_inverse_operand(b_T * b_beta[None, :], PREC)                   # [BT, BT]
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
-    b_a = gate_scale(A_log, i_hv, USE_GATE)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         # q feeds no product, so Triton does not pipeline it: through a descriptor the step waited on its load at
@@ -739,8 +704,12 @@ def wy_products(
         # step, so the next step's rows are asked of L2 now (a load a step ahead held its tile and spilled)
         b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
         prefetch_rows(q, bos, t0, T_n, i_h, H, K, tl.minimum(c0 + BKS, K - BKS), BT)
-        b_G, b_Gs, b_GC = raw_gate_terms(raw_gate_tile(g, d_g, b_a, dt_bias, lower_bound, bos, t0, T_n, i_hv, HV, K,
-                                                       c0, BKS, BT, TMA, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS))
+        if TMA:
+            b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
+            b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
+            b_G, b_Gs, b_GC = gate_terms(b_P, b_t0, b_t1, b_t2, b_t3, BT, BC)
+        else:
+            b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
         b_q = b_q.to(tl.float32) * b_rq[:, None]
@@ -766,7 +735,7 @@ def wy_products(
 
 @triton.jit
 def chunk_kda_fwd_wy_kernel(
-    q, k, v, beta, g, rq, rk, Akk,    # inputs (g: the raw gate; Akk from the scores kernel)
+    q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
     Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
     cu_seqlens, chunk_indices,
     T, NT,
@@ -774,9 +743,7 @@ def chunk_kda_fwd_wy_kernel(
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr, STORE_T: tl.constexpr,
-    d_k, d_v, d_g, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
-    A_log, dt_bias, lower_bound,      # the gate formula's (as chunk_prepare takes them)
-    USE_GATE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
     the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
@@ -787,6 +754,6 @@ def chunk_kda_fwd_wy_kernel(
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
-    wy_products(q, k, v, beta, g, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
+    wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                d_k, d_v, d_g, TMA, A_log, dt_bias, lower_bound, USE_GATE, USE_LOWER_BOUND, HAS_DT_BIAS)
+                d_k, d_v, d_gP, TMA)
