@@ -186,11 +186,21 @@ def test_kda_ab_saves_each_profile_and_tables_merge_calls(tmp_path, monkeypatch,
     assert "| B | 3.000 (2.000) | 0.500 (0.000) |" in out       # B: 2, 4
 
 
-def run_kda_grid(tmp_path, *args, python=None):
-    """bench/kda_grid.sh OUT ARGS, with ``python`` (a script) as its interpreter when given."""
+def run_kda_grid(tmp_path, *args, python=None, repo=ROOT):
+    """``repo``'s bench/kda_grid.sh OUT ARGS, with ``python`` (a script) as its interpreter when given."""
     env = {**os.environ, **({"PYTHON": str(python)} if python else {})}
-    return subprocess.run(["bash", str(ROOT / "bench" / "kda_grid.sh"), str(tmp_path / "out"), *args],
+    return subprocess.run(["bash", str(repo / "bench" / "kda_grid.sh"), str(tmp_path / "out"), *args],
                           capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def fake_python(tmp_path, fla_importable=True):
+    """A stand-in interpreter that prints the arguments it is run with (``import fla`` fails unless
+    ``fla_importable``)."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\n" + ("" if fla_importable else 'case "$*" in *"import fla"*) exit 1;; esac\n')
+                    + 'echo "ran: $*"\n')
+    fake.chmod(0o755)
+    return fake
 
 
 def test_kda_grid_arguments(tmp_path):
@@ -201,10 +211,7 @@ def test_kda_grid_arguments(tmp_path):
     assert skipped.returncode == 0 and "not a H200: nothing run" in skipped.stdout
     bad = run_kda_grid(tmp_path, "--bogus")
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
-    fake = tmp_path / "fake_python"
-    fake.write_text('#!/bin/sh\necho "ran: $*"\n')
-    fake.chmod(0o755)
-    done = run_kda_grid(tmp_path, "--check", "--fla-tests", "--", "--shapes", "16x2048", python=fake)
+    done = run_kda_grid(tmp_path, "--check", "--fla-tests", "--", "--shapes", "16x2048", python=fake_python(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     logs = {n: (tmp_path / "out" / f"{n}.log").read_text() for n in ("grid", "check", "fla_tests")}
     assert "bench/kda_kernels.py --regimes --no-decode --budget 360" in logs["grid"]
@@ -222,13 +229,10 @@ def test_kda_grid_installs_fla_from_one_wheel_folder(tmp_path):
     (repo / ".whl").mkdir()
     for name in ("einops.whl", "fla_core.whl"):
         (repo / ".whl" / name).touch()
-    fake = tmp_path / "fake_python"
-    fake.write_text('#!/bin/sh\ncase "$*" in *"import fla"*) exit 1;; esac\necho "ran: $*"\n')
-    fake.chmod(0o755)
+    fake = fake_python(tmp_path, fla_importable=False)
 
     def install_line():
-        done = subprocess.run(["bash", str(repo / "bench" / "kda_grid.sh"), str(tmp_path / "out"), "--no-grid"],
-                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": str(fake)})
+        done = run_kda_grid(tmp_path, "--no-grid", python=fake, repo=repo)
         assert done.returncode == 0, done.stderr
         return next(line for line in done.stdout.splitlines() if "pip install" in line)
 
