@@ -143,9 +143,7 @@ class LaunchConfig:
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
-    # the separable chunks' launch: uncapped 172 registers with the gated q and k written (chunk_wy.store_gated),
-    # two programs an SM; capped, three (offline sm_90: 24 B of stack)
-    scores_regs: int = 168
+    scores_regs: int = 0              # the separable chunks' launch (160 registers uncapped, no spills)
     # The other chunks' launch (halves and blocked schemes; offline sm_90 capped at 168: 296 B of stack): capped at
     # 168 it runs two programs an SM. H200, 2026-12-03 (the sub-block scheme then), scores kernel ms at 16x2048,
     # bench gates / layer init / strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 /
@@ -410,12 +408,11 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                Aqk=Aqk, Akk=Akk, qg=qg, kg=kg, decay=decay, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves,
-                **tiles, num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
+                num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
-    # STAGE 0: the inverse and w, u in one program (qg, kg and decay came from the scores kernel); 2: the factors,
-    # those three included, from the inverse kept in memory
+    # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     if factors is None:
         wy_bv = min(cfg.wy_bv, p.BVmax)
         wy_bv = wy_bv if p.V % wy_bv == 0 else min(cfg.wy_bks, p.BVmax)

@@ -23,11 +23,9 @@ the row factors.
 blocks (chunk_common.diagonal_block_inverses on the diagonal blocks, block products below), assembles the blocks
 into one [64, 64] tile in registers (stored as ``Tm`` only when a backward will read it), and writes
 
-    w = Tm (beta k exp(G))      u = Tm (beta v)
+    w = Tm (beta k exp(G))      u = Tm (beta v)      qg = q exp(G)      kg = k exp(G_C - G)      decay = exp(G_C)
 
-The rest of what the state scan (chunk_state.py) reads, ``qg = q exp(G)``, ``kg = k exp(G_C - G)`` and
-``decay = exp(G_C)``, the scores kernel writes (:func:`store_gated`) where q, k and gP are still in L2; the
-backward's recompute, which runs no scores kernel, has the WY kernel write them.
+which is everything the state scan (chunk_state.py) reads.
 """
 
 from __future__ import annotations
@@ -530,7 +528,6 @@ def halves_scores(
 def chunk_kda_fwd_scores_kernel(
     q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
-    qg, kg, decay,                    # out: [B, T, HV, K] (storage dtype) x2, [NT, HV, K] f32
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -553,8 +550,7 @@ def chunk_kda_fwd_scores_kernel(
         if sep:
             b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                                           PREC, d_q, d_k, d_gP, TMA)
-            finish_scores(q, k, gP, rq, rk, Aqk, Akk, qg, kg, decay, b_aq, b_ak, i_c, bos, t0, T_n, i_h, i_hv, H, HV,
-                          K, BT, BC, BKS, USE_QK_L2NORM)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
     elif not sep:
         bounded, banded = False, False
         if HALVES:                                          # 16-bit inputs
@@ -562,65 +558,31 @@ def chunk_kda_fwd_scores_kernel(
         if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                        d_q, d_k, d_gP, TMA)
-            finish_scores(q, k, gP, rq, rk, Aqk, Akk, qg, kg, decay, b_aq, b_ak, i_c, bos, t0, T_n, i_h, i_hv, H, HV,
-                          K, BT, BC, BKS, USE_QK_L2NORM)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         elif banded:
             b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
-            finish_scores(q, k, gP, rq, rk, Aqk, Akk, qg, kg, decay, b_aq, b_ak, i_c, bos, t0, T_n, i_h, i_hv, H, HV,
-                          K, BT, BC, BKS, USE_QK_L2NORM)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                         d_q, d_k, d_gP, TMA)
-            finish_scores(q, k, gP, rq, rk, Aqk, Akk, qg, kg, decay, b_aq, b_ak, i_c, bos, t0, T_n, i_h, i_hv, H, HV,
-                          K, BT, BC, BKS, USE_QK_L2NORM)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
 @triton.jit
-def finish_scores(q, k, gP, rq, rk, Aqk, Akk, qg, kg, decay, b_aq, b_ak, i_c, bos, t0, T_n, i_h, i_hv,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                  BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
-    """Store a chunk's scores, then its gated q and k (:func:`store_gated`). With l2norm (``USE_QK_L2NORM``) the
-    paths ran on raw q and k, and the l2norm enters here as ``Aqk = diag(rq) A diag(rk)``,
-    ``Akk = diag(rk) A diag(rk)``; the program of the first value head of each q/k head also stores rq and rk for
-    the later kernels (the prepare kernel then reads no q or k: 4 bytes per element less traffic, and q, k are in
-    L2 here; H200, 2026-12-01, 16 x 2048: prepare 0.41 -> 0.28 ms softplus, 0.39 -> 0.21 lower_bound, scores +0.08
-    / +0.07)."""
+def finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """Store a chunk's scores. With l2norm (``USE_QK_L2NORM``) the paths ran on raw q and k, and the l2norm enters
+    here as ``Aqk = diag(rq) A diag(rk)``, ``Akk = diag(rk) A diag(rk)``; the program of
+    the first value head of each q/k head also stores rq and rk for the later kernels (the prepare kernel then
+    reads no q or k: 4 bytes per element less traffic, and q, k are in L2 here; H200, 2026-12-01, 16 x 2048:
+    prepare 0.41 -> 0.28 ms softplus, 0.39 -> 0.21 lower_bound, scores +0.08 / +0.07)."""
     if USE_QK_L2NORM:
         b_rq = row_inv_norms(q, bos, t0, T_n, i_h, H, K, BT, BKS)          # [BT]
         b_rk = row_inv_norms(k, bos, t0, T_n, i_h, H, K, BT, BKS)
         b_aq = b_aq * b_rq[:, None] * b_rk[None, :]
         b_ak = b_ak * b_rk[:, None] * b_rk[None, :]
         store_row_norms(rq, rk, b_rq, b_rk, bos, t0, T_n, i_h, i_hv, H, HV, BT)
-    else:
-        b_rq = tl.full([BT], 1.0, dtype=tl.float32)
-        b_rk = tl.full([BT], 1.0, dtype=tl.float32)
     store_scores(Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_hv, HV, BT)
-    store_gated(q, k, gP, b_rq, b_rk, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS)
-
-
-@triton.jit
-def gated_step(b_q, b_k, b_G, b_Gs, b_GC, b_rq, qg, kg, decay, i_c, bos, t0, T_n, i_hv, HV: tl.constexpr,
-               K: tl.constexpr, o_k, BT: tl.constexpr):
-    """One channel step of ``qg = q exp(G)``, ``kg = k exp(G_C - G)`` and ``decay = exp(G_C)`` from the gate
-    terms (chunk_common.gate_terms), the q tile as loaded and the l2-normed k tile ``b_k`` ([BT, len(o_k)]
-    float32)."""
-    b_q = b_q.to(tl.float32) * b_rq[:, None]                               # [BT, BKS]
-    store_rows(qg, b_q * fast_exp(b_G), bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
-    tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
-
-
-@triton.jit
-def store_gated(q, k, gP, b_rq, b_rk, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv, H: tl.constexpr,
-                HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):
-    """The chunk's qg, kg and decay (:func:`gated_step`), written by the scores kernel, whose program has just
-    read the chunk's q, k and gP (in L2 now), so that the WY kernel reads no q and writes only w and u."""
-    for c0 in range(0, K, BKS):
-        o_k = c0 + tl.arange(0, BKS)
-        b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2, [BKS]
-        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
-        b_k = load_rows(k, bos, t0, T_n, i_h, H, K, o_k, BT).to(tl.float32) * b_rk[:, None]
-        gated_step(b_q, b_k, b_G, b_Gs, b_GC, b_rq, qg, kg, decay, i_c, bos, t0, T_n, i_hv, HV, K, o_k, BT)
 
 
 @triton.jit
@@ -726,11 +688,10 @@ def wy_products(
     q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_h, i_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, TMA: tl.constexpr, GATED: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, d_k, d_v, d_gP, TMA: tl.constexpr,
 ):
     """The WY factors of the chunk at t0 (flat chunk index i_c) from its inverse ``b_T`` ([BT, BT] float32): the
-    key side (w, and with ``GATED`` qg, kg and decay, which the forward's scores kernel writes) and the value side
-    (u). ``TMA`` (LaunchConfig.wy_tma): the k, v and gP tiles
+    key side (w, qg, kg, decay) and the value side (u). ``TMA`` (LaunchConfig.wy_tma): the k, v and gP tiles
     through tensor descriptors ``d_*`` (:func:`chunk_tile`); q always by pointers (below)."""
     b_beta = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)   # [BT]
     # w = Tm diag(beta) (k exp(G)) and u = Tm diag(beta) v: beta folded into the inverse's columns once per chunk
@@ -738,12 +699,11 @@ def wy_products(
     b_rq, b_rk = load_norms(rq, rk, bos, t0, T_n, i_h, H, BT, USE_QK_L2NORM)             # [BT] x2
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
-        if GATED:
-            # q feeds no product, so Triton does not pipeline it: through a descriptor the step waited on its load
-            # at once; by pointers, issued first, it overlaps the gate and k loads. Its rows still come from DRAM
-            # each step, so the next step's rows are asked of L2 now (a load a step ahead held its tile and spilled)
-            b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)             # [BT, BKS]
-            prefetch_rows(q, bos, t0, T_n, i_h, H, K, tl.minimum(c0 + BKS, K - BKS), BT)
+        # q feeds no product, so Triton does not pipeline it: through a descriptor the step waited on its load at
+        # once; by pointers, issued first, it overlaps the gate and k loads. Its rows still come from DRAM each
+        # step, so the next step's rows are asked of L2 now (a load a step ahead held its tile and spilled)
+        b_q = load_rows(q, bos, t0, T_n, i_h, H, K, o_k, BT)                 # [BT, BKS]
+        prefetch_rows(q, bos, t0, T_n, i_h, H, K, tl.minimum(c0 + BKS, K - BKS), BT)
         if TMA:
             b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BKS] x4
             b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)          # [BT, BKS]
@@ -752,10 +712,12 @@ def wy_products(
             b_G, b_Gs, b_GC = chunk_gate_terms(gP, bos, t0, T_n, i_hv, HV, K, o_k, BT, BC)   # [BT, BKS] x2
         b_eG = fast_exp(b_G)
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32) * b_rk[:, None]
+        b_q = b_q.to(tl.float32) * b_rq[:, None]
         b_w = wy_product(b_Th, b_k * b_eG, PREC)
         store_rows(w, b_w, bos, t0, T_n, i_hv, HV, K, o_k, BT)
-        if GATED:
-            gated_step(b_q, b_k, b_G, b_Gs, b_GC, b_rq, qg, kg, decay, i_c, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(qg, b_q * b_eG, bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        store_rows(kg, b_k * fast_exp(b_Gs), bos, t0, T_n, i_hv, HV, K, o_k, BT)
+        tl.store(decay + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_GC), mask=o_k < K)
     # bf16 values: u by two bf16 products of v as loaded against the tf32 operand split in two (mm_split), the
     # same numbers as the tf32 product; other dtypes by wy_product
     SPLIT: tl.constexpr = PREC == "tf32" and v.dtype.element_ty == tl.bfloat16
@@ -783,9 +745,8 @@ def chunk_kda_fwd_wy_kernel(
     NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, STAGE: tl.constexpr, STORE_T: tl.constexpr,
     d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
-    """The inverse and the WY factors w, u of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with
-    ``STORE_T``), or the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's
-    recomputation, which runs no scores kernel and so also writes qg, kg and decay)."""
+    """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
+    the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
@@ -795,4 +756,4 @@ def chunk_kda_fwd_wy_kernel(
         b_T = load_rows(Tm, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)      # [BT, BT]
     wy_products(q, k, v, beta, gP, rq, rk, b_T, w, u, qg, kg, decay, i_c, bos, t0, T_n, i_hv // (HV // H), i_hv,
                 H, HV, K, V, BT, BC, BKS, BV, USE_QK_L2NORM, USE_BETA_SIGMOID, NEG_EIGVAL, PREC,
-                d_k, d_v, d_gP, TMA, STAGE == 2)
+                d_k, d_v, d_gP, TMA)
