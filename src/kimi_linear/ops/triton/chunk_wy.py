@@ -55,6 +55,7 @@ from .chunk_common import (
     mm_rounded,
     mm_split,
     own_totals,
+    pair_inverses,
     prefetch_rows,
     row_halves,
     row_inv_norms,
@@ -594,21 +595,6 @@ def side_by_side(b_0, b_1, b_2, b_3):
 
 
 @triton.jit
-def half_inverse(b_T, beta, Akk, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 h: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """The inverse of the chunk's half h ([2 BC, 2 BC]) from its two diagonal blocks' (in ``b_T``, [4, BC, BC]):
-    ``[[L, 0], [-U (beta A_21) L, U]]`` in two exact float32 [BC, BC] products."""
-    b_L = block_of(b_T, 2 * h)                                              # [BC, BC]
-    b_U = block_of(b_T, 2 * h + 1)
-    r0 = (2 * h + 1) * BC                                                   # the lower block's first row
-    b_b = load_beta(beta, bos, t0 + r0, T_n, i_hv, HV, BC, USE_BETA_SIGMOID, NEG_EIGVAL)                # [BC]
-    b_A = load_rows(Akk, bos, t0 + r0, T_n, i_hv, HV, BT, 2 * h * BC + tl.arange(0, BC), BC) * b_b[:, None]
-    b_C = -mm(b_U, mm(b_A, b_L, "ieee"), "ieee")                            # [BC, BC]
-    return tl.reshape(block_lower(tl.reshape(b_L, [1, BC, BC]), tl.reshape(b_C, [1, BC, BC]),
-                                  tl.reshape(b_U, [1, BC, BC])), [2 * BC, 2 * BC])
-
-
-@triton.jit
 def inverse_blocks(
     beta, Akk, Tm, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, STORE_T: tl.constexpr,
@@ -617,12 +603,14 @@ def inverse_blocks(
     also stored in ``Tm`` with ``STORE_T`` (the backward reads it)."""
     tl.static_assert(BT == 4 * BC)
     # (I + diag(beta) Akk)^-1 by halves: the four [BC, BC] diagonal blocks' inverses in one batched substitution,
-    # paired into the two [2 BC, 2 BC] halves' (:func:`half_inverse`), then the lower-left quarter
-    # -U (beta A_21) L in two exact float32 products: six products where the 16x16 blocks took sixteen
+    # paired into the two [2 BC, 2 BC] halves' (chunk_common.pair_inverses), then the lower-left quarter
+    # -U (beta A_21) L in two exact float32 products: two products where the 16x16 blocks took sixteen
     HT: tl.constexpr = BT // 2
+    b_bt = load_beta(beta, bos, t0, T_n, i_hv, HV, BT, USE_BETA_SIGMOID, NEG_EIGVAL)                 # [BT]
     b_T = diagonal_block_inverses(Akk, beta, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL)
-    b_L = half_inverse(b_T, beta, Akk, bos, t0, T_n, i_hv, HV, BT, BC, 0, USE_BETA_SIGMOID, NEG_EIGVAL)   # [HT, HT]
-    b_U = half_inverse(b_T, beta, Akk, bos, t0, T_n, i_hv, HV, BT, BC, 1, USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_T = pair_inverses(b_T, b_bt, Akk, bos, t0, T_n, i_hv, HV, BT, BC)                # [2, HT, HT]
+    b_L = block_of(b_T, 0)                                                  # [HT, HT]
+    b_U = block_of(b_T, 1)
     b_b1 = load_beta(beta, bos, t0 + HT, T_n, i_hv, HV, HT, USE_BETA_SIGMOID, NEG_EIGVAL)            # [HT]
     b_A = load_rows(Akk, bos, t0 + HT, T_n, i_hv, HV, BT, tl.arange(0, HT), HT) * b_b1[:, None]   # [HT, HT]
     # Exact float32 products: the inverse's error feeds every w and u row.
