@@ -95,8 +95,8 @@ def test_separable_and_blocked_score_paths_side_by_side(dtype):
 
 @pytest.mark.parametrize("case", ["extreme gates", "varlen bf16 options", "repeated keys, no decay"])
 def test_inverse_hard_cases(case):
-    """The chunk inverse (four diagonal 16x16 blocks in one batched substitution, paired into the halves, then the
-    lower-left quarter) on the inputs that stress it."""
+    """The chunk inverse (four diagonal 16x16 blocks in one batched substitution, then the off-diagonal blocks) on
+    the inputs that stress it."""
     cu, opts = None, NO_OPTIONS
     if case == "extreme gates":
         x = make_inputs(B=1, T=130, H=1, K=32, V=16, strong_decay=True, seed=40)

@@ -613,14 +613,6 @@ def pair_inverses(b_T, b_beta, Akk, bos, t0, T_n, i_hv, HV: tl.constexpr, BT: tl
                   + o_i[None, None, :], mask=(r < T_n)[:, :, None], other=0.0) * b_bU[:, :, None]   # beta A_21
     b_X = tl.sum(b_A[:, :, :, None] * b_L[:, None, :, :], 2)                                     # beta A_21 L
     b_C = -tl.sum(b_U[:, :, :, None] * b_X[:, None, :, :], 2)                                    # -U beta A_21 L
-    return block_lower(b_L, b_C, b_U)
-
-
-@triton.jit
-def block_lower(b_L, b_C, b_U):
-    """``[[L, 0], [C, U]]`` of stacks of [HB, HB] blocks ([NP, HB, HB] each): [NP, 2 HB, 2 HB]."""
-    NP: tl.constexpr = b_L.shape[0]
-    HB: tl.constexpr = b_L.shape[1]
     # rows of the upper half [L, 0], of the lower [C, U]
     b_top = tl.reshape(tl.permute(tl.join(b_L, tl.zeros_like(b_L)), (0, 1, 3, 2)), [NP, HB, 2 * HB])
     b_bot = tl.reshape(tl.permute(tl.join(b_C, b_U), (0, 1, 3, 2)), [NP, HB, 2 * HB])
