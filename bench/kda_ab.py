@@ -8,7 +8,7 @@ out: ``prepare`` exports ``src/`` of each revision into a folder here (no model 
 carries beside the working tree::
 
     python bench/kda_ab.py prepare HEAD 82a80b2 --into .gl/ab          # here, needs git
-    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check] [--backward] [--save $OUT/ab.json]   # on the GPU
+    python3 bench/kda_ab.py run .gl/ab --rounds 2 [--check] [--backward] [--shape 1x32768] [--save $OUT/ab.json]
     python bench/kda_ab.py table ab1.json ab2.json      # the tables again, from runs saved by one or more calls
 
 A launch-config variant of a revision is a tree of its own: ``prepare REV --name NAME --config JSON`` exports REV
@@ -73,11 +73,12 @@ def kda_kernels(tree: str, args: list[str], smoke: bool) -> subprocess.Completed
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
-def profile(tree: str, smoke: bool, backward: bool) -> dict[str, dict[str, float]]:
-    """regime -> {"total": ms of kernels, kernel: ms} for one run of ``tree``'s kernels; with ``backward`` also
-    "regime, fwd+bwd" -> the same for forward + backward (its twelve largest kernels)."""
+def profile(tree: str, smoke: bool, backward: bool, shape: str = "") -> dict[str, dict[str, float]]:
+    """regime -> {"total": ms of kernels, kernel: ms} for one run of ``tree``'s kernels at ``shape`` (BxT; default
+    kda_kernels.py's first); with ``backward`` also "regime, fwd+bwd" -> the same for forward + backward (its twelve
+    largest kernels)."""
     out = kda_kernels(tree, ["--regimes", "--profile", "--no-fla", "--no-decode", "--only", "profile gate"]
-                      + ([] if backward else ["--no-backward"]), smoke).stdout
+                      + ([] if backward else ["--no-backward"]) + (["--shapes", shape] if shape else []), smoke).stdout
     times = {}
     for line in out.splitlines():
         m = LINE.search(line)
@@ -114,7 +115,8 @@ def table(runs: dict[str, list[dict]]) -> None:
             print(f"| {t} | " + " | ".join(cells) + " |")
 
 
-def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = False, save: str = "") -> int:
+def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = False, save: str = "",
+        shape: str = "") -> int:
     trees = sorted(d for d in os.listdir(into) if os.path.isdir(os.path.join(into, d, "src")))
     if not trees:
         print(f"no trees under {into}: run `prepare` first", file=sys.stderr)
@@ -122,7 +124,7 @@ def run(into: str, rounds: int, with_check: bool, smoke: bool, backward: bool = 
     runs = {t: [] for t in trees}
     for r in range(rounds):
         for t in trees:
-            runs[t].append(profile(os.path.join(into, t), smoke, backward))
+            runs[t].append(profile(os.path.join(into, t), smoke, backward, shape))
             print(f"round {r + 1} {t}: {len(runs[t][-1])} regimes", flush=True)
             if save:
                 with open(save, "w") as f:
@@ -166,6 +168,8 @@ def main() -> int:
     r.add_argument("--backward", action="store_true", help="also forward + backward per regime")
     r.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes: checks the script")
     r.add_argument("--save", default="", metavar="FILE", help="write the profiles to FILE (JSON) as they land")
+    r.add_argument("--shape", default="", metavar="BxT",
+                   help="the profiles' shape (default kda_kernels.py's first, 16x2048), e.g. 1x32768")
     t = sub.add_parser("table", help="the tables from runs saved with --save (here)")
     t.add_argument("files", nargs="+")
     a = ap.parse_args()
@@ -174,7 +178,7 @@ def main() -> int:
     if a.cmd == "table":
         table(merged(a.files))
         return 0
-    return run(a.into, a.rounds, a.check, a.smoke, a.backward, a.save)
+    return run(a.into, a.rounds, a.check, a.smoke, a.backward, a.save, a.shape)
 
 
 if __name__ == "__main__":

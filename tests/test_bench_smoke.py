@@ -110,7 +110,8 @@ def load_kda_ab():
 
 def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
     """bench/kda_ab.py's ``profile`` turns kda_kernels.py's regime-profile lines into per-regime kernel times:
-    the forward under the regime's name, forward + backward under "<regime>, fwd+bwd"; other lines are ignored."""
+    the forward under the regime's name, forward + backward under "<regime>, fwd+bwd"; other lines are ignored. A
+    shape given is passed on."""
     kda_ab = load_kda_ab()
     out = "\n".join([
         "  regime profile 16x2048 strong decay, ours fwd: 4.945 ms of kernels: chunk_kda_fwd_scores_kernel 2.721 ms"
@@ -132,7 +133,9 @@ def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
                                               "chunk_kda_fwd_wy": 1.284},
                      "16x2048 strong decay, fwd+bwd": {"total": 20.1, "chunk_kda_bwd_intra": 6.7}}
     kda_ab.profile("tree", smoke=True, backward=False)
-    assert "--no-backward" in seen[1]
+    assert "--no-backward" in seen[1] and "--shapes" not in seen[1]
+    kda_ab.profile("tree", smoke=True, backward=False, shape="1x32768")   # --shape: kda_kernels.py's --shapes
+    assert seen[2][seen[2].index("--shapes") + 1] == "1x32768"
 
 
 def test_kda_ab_tree_with_a_launch_config(tmp_path, monkeypatch):
@@ -165,7 +168,7 @@ def test_kda_ab_saves_each_profile_and_tables_merge_calls(tmp_path, monkeypatch,
     times = iter([1.0, 2.0, 3.0, 4.0])
     saved = []
 
-    def fake_profile(tree, smoke, backward):
+    def fake_profile(tree, smoke, backward, shape=""):
         if saved:                                 # the previous profile is already on disk
             with open(tmp_path / "one.json") as f:
                 saved.append(sum(len(rs) for rs in json.load(f).values()))
