@@ -71,19 +71,17 @@ def chunk_kda_fwd_h_kernel(
         b_kg = load_rows(kg, bos, t0, T_n, i_hv, HV, K, o_k, BT)             # [BT, BK]
         b_u = load_rows(u, bos, t0, T_n, i_hv, HV, V, o_v, BT).to(tl.float32)   # [BT, BV]
         b_d = tl.load(decay + ((c_first + i_t) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)   # [BK]
-        b_hs = cast(b_h, b_w.dtype)                                         # [BK, BV] the state as multiplied
-        b_vn = b_u - mm(b_w, b_hs, PREC)                                   # [BT, BV]
+        b_vn = b_u - mm(b_w, cast(b_h, b_w.dtype), PREC)                        # [BT, BV]
         b_vn = cast(b_vn, b_w.dtype)                                       # the storage dtype, as stored
-        # The state update first: it alone is on the walk's serial path; the output's products come after it. It
-        # uses vn as stored, so the output and the backward see the same writes.
-        b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
         if OUTPUT:
             b_qg = load_rows(qg, bos, t0, T_n, i_hv, HV, K, o_k, BT)         # [BT, BK]
             b_A = load_rows(Aqk, bos, t0, T_n, i_hv, HV, BT, tl.arange(0, BT), BT)   # [BT, BT]
-            b_o = mm(b_qg, b_hs, PREC) + mm(b_A, b_vn, PREC)                # [BT, BV]
+            b_o = mm(b_qg, cast(b_h, b_qg.dtype), PREC) + mm(b_A, b_vn, PREC)      # [BT, BV]
             store_rows(o, b_o * scale, bos, t0, T_n, i_hv, HV, V, o_v, BT)
         else:
             store_rows(vn, b_vn, bos, t0, T_n, i_hv, HV, V, o_v, BT)
+        # The state update uses vn as stored, so the output and the backward see the same writes.
+        b_h = b_h * b_d[:, None] + mm(tl.trans(b_kg), b_vn, PREC)
 
     if STORE_FINAL_STATE:
         store_state(ht + i_nh.to(tl.int64) * K * V, b_h, o_k, o_v, K, V)
