@@ -93,9 +93,6 @@ class LaunchConfig:
     # sub-block scheme then; offline sm_90 255 registers with 184 B of spills -> 247, none): strong decay's 3.67 ->
     # 3.31 ms, the by-halves path 1.009 -> 1.018 (lower_bound saturated), the rest unchanged
     scores_tma: bool = True
-    # The scores kernel's programs ask L2 for what the program this many per SM later in the grid waits on first
-    # (chunk_wy.prefetch_scores_ahead: its sub-block totals, its first q, k, gP lines); 0: nothing
-    scores_prefetch_per_sm: int = 3
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64). The forward scan, which forms the output, swept again at 1 x 32768
@@ -415,7 +412,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                AHEAD=cfg.scores_prefetch_per_sm * num_sms(q.device) if q.device.type == "cuda" else 0,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
