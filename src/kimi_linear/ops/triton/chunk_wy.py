@@ -734,27 +734,11 @@ def wy_products(
 
 
 @triton.jit
-def prefetch_ahead(q, Akk, cu_seqlens, chunk_indices, T, NT, AHEAD, H: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Ask L2 for the rows of Akk and the first line of the q rows of the program AHEAD places later: the GPU
-    starts programs in grid order, so with AHEAD the programs that fit at once, that program starts about when this
-    one ends, and its first loads (the inverse's Akk rows, each waited on, and the first key step's q) find L2."""
-    i_f = tl.program_id(0) + AHEAD
-    if i_f < tl.num_programs(0):
-        i_cf, i_hvf = i_f // HV, i_f % HV
-        _, i_tf, bos_f, T_nf = chunk_coords(i_cf, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        LINE: tl.constexpr = 1024 // Akk.dtype.element_ty.primitive_bitwidth           # Akk entries a 128-byte line
-        for c0 in tl.static_range(0, BT, LINE):
-            prefetch_rows(Akk, bos_f, i_tf * BT, T_nf, i_hvf, HV, BT, c0, BT)
-        prefetch_rows(q, bos_f, i_tf * BT, T_nf, i_hvf // (HV // H), H, K, 0, BT)
-
-
-@triton.jit
 def chunk_kda_fwd_wy_kernel(
     q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
     Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
     cu_seqlens, chunk_indices,
-    T, NT, AHEAD,
+    T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
@@ -762,14 +746,10 @@ def chunk_kda_fwd_wy_kernel(
     d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
-    the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation). With
-    ``AHEAD`` > 0 (the programs that run at once), the program ``AHEAD`` places later in the grid, which starts
-    about when this one ends, has its Akk rows and its q rows' first line asked of L2 now (:func:`prefetch_ahead`)."""
+    the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if AHEAD > 0:
-        prefetch_ahead(q, Akk, cu_seqlens, chunk_indices, T, NT, AHEAD, H, HV, K, BT, IS_VARLEN)
     if STAGE == 0:
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
