@@ -56,7 +56,6 @@ from .chunk_common import (
     load_state,
     mm,
     mm_rounded,
-    prefetch_rows,
     row_halves,
     separable_exponent,
     store_rows,
@@ -289,27 +288,6 @@ def diagonal_grads(b_dq, b_dkr, b_dkc, b_dAq, b_dAk, b_q, b_k, b_P, gP, bos, r0,
 
 
 @triton.jit
-def prefetch_item(q, k, gP, dAqk, dAkk, dq_p, dk_p, dg_p, i_c, i_hv, i_k, cu_seqlens, chunk_indices, T, NT,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  IS_VARLEN: tl.constexpr, SCORES: tl.constexpr):
-    """Ask L2 for the rows a score-gradient work item (chunk i_c, value head i_hv, key block i_k) loads: q, k, gP and
-    the three partial gradients at its key block's first line (BK channels of float32: one 128-byte line at
-    BK = 32), and with ``SCORES`` both dA matrices' rows (the same for every key block of a chunk)."""
-    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-    t0, c0, i_h = i_t * BT, i_k * BK, i_hv // (HV // H)
-    prefetch_rows(q, bos, t0, T_n, i_h, H, K, c0, BT)
-    prefetch_rows(k, bos, t0, T_n, i_h, H, K, c0, BT)
-    prefetch_rows(gP, bos, t0, T_n, i_hv, HV, K, c0, BT)
-    prefetch_rows(dq_p, bos, t0, T_n, i_hv, HV, K, c0, BT)
-    prefetch_rows(dk_p, bos, t0, T_n, i_hv, HV, K, c0, BT)
-    prefetch_rows(dg_p, bos, t0, T_n, i_hv, HV, K, c0, BT)
-    if SCORES:
-        for c1 in tl.static_range(0, BT, 32):                            # float32 rows: 32 entries a line
-            prefetch_rows(dAqk, bos, t0, T_n, i_hv, HV, BT, c1, BT)
-            prefetch_rows(dAkk, bos, t0, T_n, i_hv, HV, BT, c1, BT)
-
-
-@triton.jit
 def chunk_kda_bwd_intra_kernel(
     q, k, gP, rq, rk,                 # inputs and the recomputed gate sums / norms
     dAqk, dAkk,                       # [B, T, HV, BT] f32 from the WY kernel
@@ -328,9 +306,6 @@ def chunk_kda_bwd_intra_kernel(
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
     if chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BKA, BC):
-        for i_k in tl.static_range(1, (K + BK - 1) // BK):         # the later key blocks' rows, asked of L2 now
-            prefetch_item(q, k, gP, dAqk, dAkk, dq_p, dk_p, dg_p, i_c, i_hv, i_k, cu_seqlens, chunk_indices, T, NT,
-                          H, HV, K, BT, BK, IS_VARLEN, False)
         for i_k in tl.range((K + BK - 1) // BK, num_stages=1):    # not pipelined: each block is whole
             separable_grads(q, k, gP, rq, rk, dAqk, dAkk, dq_p, dk_p, dg_p, bos, t0, T_n, i_k, i_hv // (HV // H),
                             i_hv, H, HV, K, BT, BC, BK, USE_QK_L2NORM, PREC)
@@ -381,12 +356,6 @@ def chunk_kda_bwd_listed_kernel(
             e = tl.load(chunks + (L - 1 - it // NW))
         else:
             e = tl.load(chunks + it // NW)
-            if it + tl.num_programs(0) < n:
-                # the item this program takes next, asked of L2 while this one runs
-                e_n = tl.load(chunks + (it + tl.num_programs(0)) // NW)
-                prefetch_item(q, k, gP, dAqk, dAkk, dq_p, dk_p, dg_p, e_n // HV, e_n % HV,
-                              (it + tl.num_programs(0)) % NK, cu_seqlens, chunk_indices, T, NT, H, HV, K, BT, BK,
-                              IS_VARLEN, True)
         i_c, i_hv = e // HV, e % HV
         _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
         if SUB:

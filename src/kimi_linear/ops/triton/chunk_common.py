@@ -208,15 +208,9 @@ def prefetch_rows(p, bos, r0, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0, B
     """Ask L2 for rows r0 .. r0 + BR of a ``[*, NH, W]`` tensor at column c0 (one line a row; rows past T_n take
     the last row's address): no wait and no register held, where a load a step ahead held its tile (and spilled).
     Nothing under the interpreter."""
-    prefetch_at(p, bos, r0 + tl.arange(0, BR), T_n, i_h, NH, W, c0)
-
-
-@triton.jit
-def prefetch_at(p, bos, o_r, T_n, i_h, NH: tl.constexpr, W: tl.constexpr, c0):
-    """:func:`prefetch_rows` for the rows ``o_r`` (a tensor of row offsets within the sequence)."""
     if not INTERPRET:
-        o_r = tl.minimum(o_r, T_n - 1)
-        p_x = p + ((bos + o_r) * NH + i_h) * W + c0                         # row starts
+        o_r = tl.minimum(r0 + tl.arange(0, BR), T_n - 1)
+        p_x = p + ((bos + o_r) * NH + i_h) * W + c0                         # [BR] row starts
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p_x], dtype=tl.int32,
                                   is_pure=False, pack=1)
 

@@ -76,9 +76,6 @@ class LaunchConfig:
     # Where it does not divide V the key step is taken, so that the tiles stay on TMA (tile_descriptors)
     wy_bv: int = 64
     wy_warps: int = 4
-    # The WY kernel's programs ask L2 for the Akk rows and first q line of the program this many per SM places
-    # later in the grid (chunk_wy.prefetch_ahead; 3: the programs that fit an SM at 168 registers); 0: none
-    wy_prefetch_per_sm: int = 3
     wy_stages: int = 3                # software pipelining of the WY kernel's channel loops (3: Triton's default)
     # The WY products' k, v and gP tiles through TMA tensor descriptors (chunk_wy.chunk_tile), which Triton's
     # software pipeliner prefetches into shared memory (Nsight Compute, 2026-12-01: the products waited on their
@@ -93,9 +90,6 @@ class LaunchConfig:
     # sub-block scheme then; offline sm_90 255 registers with 184 B of spills -> 247, none): strong decay's 3.67 ->
     # 3.31 ms, the by-halves path 1.009 -> 1.018 (lower_bound saturated), the rest unchanged
     scores_tma: bool = True
-    # The scores kernel's programs ask L2 for what the program this many per SM later in the grid waits on first
-    # (chunk_wy.prefetch_scores_ahead: its sub-block totals, its first q, k, gP lines); 0: nothing
-    scores_prefetch_per_sm: int = 3
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
     # (1 x 32768: 0.95 against 1.09 with 64). The forward scan, which forms the output, swept again at 1 x 32768
@@ -415,7 +409,6 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                AHEAD=cfg.scores_prefetch_per_sm * num_sms(q.device) if q.device.type == "cuda" else 0,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
@@ -427,8 +420,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                   kg=kg, decay=decay, V=V, BKS=min(cfg.wy_bks, p.BK), BV=wy_bv,
                   USE_BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel, NEG_EIGVAL=opts.allow_neg_eigval)
         wy.update(tile_descriptors(p, cfg.wy_tma, dict(d_k=k, d_v=v, d_gP=gP), wy["BKS"], wy["BV"]))
-        ahead = cfg.wy_prefetch_per_sm * num_sms(q.device) if q.device.type == "cuda" else 0
-        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, AHEAD=ahead, num_warps=cfg.wy_warps,
+        chunk_kda_fwd_wy_kernel[p.grid(1, HV)](STAGE=2 if kept is not None else 0, num_warps=cfg.wy_warps,
                                                num_stages=cfg.wy_stages, **reg_cap(cfg.wy_regs), **wy, **shared)
     fused = scale is not None                                          # the forward: o formed in the scan
     h = p.dummy if fused else p.empty(max(NT, 1), HV, K, V, dtype=p.sdt)

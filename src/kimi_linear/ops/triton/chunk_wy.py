@@ -54,7 +54,6 @@ from .chunk_common import (
     mm_rounded,
     mm_split,
     own_totals,
-    prefetch_at,
     prefetch_rows,
     row_halves,
     row_inv_norms,
@@ -526,25 +525,6 @@ def halves_scores(
 
 
 @triton.jit
-def prefetch_scores_ahead(q, k, gP, cu_seqlens, chunk_indices, T, NT, AHEAD, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """What the program AHEAD places later (it starts about when this one ends; chunk_wy.prefetch_ahead) waits on
-    first, asked of L2 now: the gP rows at its sub-block ends (chunk_separable's test, then the paths' totals) and
-    the first line of its q, k and gP rows (the first channel step's tiles)."""
-    i_f = tl.program_id(0) + AHEAD
-    if i_f < tl.num_programs(0):
-        i_cf, i_hvf = i_f // HV, i_f % HV
-        _, i_tf, bos_f, T_nf = chunk_coords(i_cf, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        t0_f = i_tf * BT
-        o_e = t0_f + tl.arange(0, BT // BC) * BC + BC - 1                   # [NB] the sub-blocks' last rows
-        for c0 in tl.static_range(0, K, 32):                                # 32 float32 a 128-byte line
-            prefetch_at(gP, bos_f, o_e, T_nf, i_hvf, HV, K, c0)
-        prefetch_rows(gP, bos_f, t0_f, T_nf, i_hvf, HV, K, 0, BT)
-        prefetch_rows(q, bos_f, t0_f, T_nf, i_hvf // (HV // H), H, K, 0, BT)
-        prefetch_rows(k, bos_f, t0_f, T_nf, i_hvf // (HV // H), H, K, 0, BT)
-
-
-@triton.jit
 def chunk_kda_fwd_scores_kernel(
     q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
@@ -554,7 +534,6 @@ def chunk_kda_fwd_scores_kernel(
     BKS: tl.constexpr, IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, PREC: tl.constexpr,
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
-    AHEAD=0,                          # > 0: prefetch for the program that far ahead (prefetch_scores_ahead)
 ):
     """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
     same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
@@ -566,8 +545,6 @@ def chunk_kda_fwd_scores_kernel(
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0, i_h = i_t * BT, i_hv // (HV // H)
-    if AHEAD > 0:
-        prefetch_scores_ahead(q, k, gP, cu_seqlens, chunk_indices, T, NT, AHEAD, H, HV, K, BT, BC, IS_VARLEN)
     sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
     if SEPARABLE:
         if sep:
@@ -757,27 +734,11 @@ def wy_products(
 
 
 @triton.jit
-def prefetch_ahead(q, Akk, cu_seqlens, chunk_indices, T, NT, AHEAD, H: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Ask L2 for the rows of Akk and the first line of the q rows of the program AHEAD places later: the GPU
-    starts programs in grid order, so with AHEAD the programs that fit at once, that program starts about when this
-    one ends, and its first loads (the inverse's Akk rows, each waited on, and the first key step's q) find L2."""
-    i_f = tl.program_id(0) + AHEAD
-    if i_f < tl.num_programs(0):
-        i_cf, i_hvf = i_f // HV, i_f % HV
-        _, i_tf, bos_f, T_nf = chunk_coords(i_cf, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        LINE: tl.constexpr = 1024 // Akk.dtype.element_ty.primitive_bitwidth           # Akk entries a 128-byte line
-        for c0 in tl.static_range(0, BT, LINE):
-            prefetch_rows(Akk, bos_f, i_tf * BT, T_nf, i_hvf, HV, BT, c0, BT)
-        prefetch_rows(q, bos_f, i_tf * BT, T_nf, i_hvf // (HV // H), H, K, 0, BT)
-
-
-@triton.jit
 def chunk_kda_fwd_wy_kernel(
     q, k, v, beta, gP, rq, rk, Akk,   # inputs (Akk from the scores kernel)
     Tm, w, u, qg, kg, decay,          # out: [B, T, HV, BT] f32; [B, T, HV, K|V] (storage dtype); [NT, HV, K] f32
     cu_seqlens, chunk_indices,
-    T, NT, AHEAD,
+    T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKS: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
@@ -785,15 +746,10 @@ def chunk_kda_fwd_wy_kernel(
     d_k, d_v, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.wy_tma), else the tensors again
 ):
     """The inverse and the WY factors of a chunk (``STAGE`` 0; the inverse stored in ``Tm`` with ``STORE_T``), or
-    the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation). With
-    ``AHEAD`` > 0 (the programs that run at once) and ``STAGE`` 0, the program ``AHEAD`` places later in the grid,
-    which starts about when this one ends, has its Akk rows and its q rows' first line asked of L2 now
-    (:func:`prefetch_ahead`)."""
+    the WY factors alone from an inverse kept from the forward (``STAGE`` 2: the backward's recomputation)."""
     i_c, _, i_hv = grid_coords(1, HV)
     _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
     t0 = i_t * BT
-    if STAGE == 0 and AHEAD > 0:                # the backward's recompute (STAGE 2) reads Tm, not Akk
-        prefetch_ahead(q, Akk, cu_seqlens, chunk_indices, T, NT, AHEAD, H, HV, K, BT, IS_VARLEN)
     if STAGE == 0:
         b_T = inverse_blocks(beta, Akk, Tm, bos, t0, T_n, i_hv, HV, BT, BC, USE_BETA_SIGMOID, NEG_EIGVAL, STORE_T)
     else:
