@@ -99,13 +99,31 @@ def test_decode_ab_smoke(tmp_path):
     assert "| broken |  |  |" in done.stdout
 
 
-def load_kda_ab():
+def load_bench(name: str):
+    """bench/NAME.py as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("kda_ab", ROOT / "bench" / "kda_ab.py")
-    kda_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kda_ab)
-    return kda_ab
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_kda_ab():
+    return load_bench("kda_ab")
+
+
+def test_kda_kernels_regime_summary():
+    """bench/kda_kernels.py states the regime grid against issue 20's goals: per pass the worst row, the median and
+    how many rows meet the bar (1.3x forward, 1.2x forward + backward), and whether the median forward is 1.7x; a
+    pass without rows (fla absent, or cut by the budget) says nothing."""
+    kk = load_bench("kda_kernels")
+    lines = kk.regime_summary({"fwd": [(1.4, "a"), (1.6, "b"), (1.8, "c"), (1.25, "d")],
+                               "fwd+bwd": [(1.29, "a"), (1.19, "b"), (1.2, "c")]})
+    assert lines == ["  fwd: worst 1.25x fla (d), median 1.50x; 3 of 4 rows >= 1.3x; median >= 1.7x: missed",
+                     "  fwd+bwd: worst 1.19x fla (b), median 1.20x; 2 of 3 rows >= 1.2x"]   # a row at the bar meets it
+    assert kk.regime_summary({"fwd": [(1.7, "a"), (1.9, "b"), (1.3, "c")], "fwd+bwd": []}) == [
+        "  fwd: worst 1.30x fla (c), median 1.70x; 3 of 3 rows >= 1.3x; median >= 1.7x: met"]
 
 
 def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
