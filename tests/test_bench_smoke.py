@@ -109,10 +109,6 @@ def load_bench(name: str):
     return module
 
 
-def load_kda_ab():
-    return load_bench("kda_ab")
-
-
 def test_kda_kernels_regime_summary():
     """bench/kda_kernels.py states the regime grid against issue 20's goals: per pass the worst row, the median and
     how many rows meet the bar (1.3x forward, 1.2x forward + backward), and whether the median forward is 1.7x; a
@@ -130,7 +126,7 @@ def test_kda_ab_reads_forward_and_backward_profiles(monkeypatch):
     """bench/kda_ab.py's ``profile`` turns kda_kernels.py's regime-profile lines into per-regime kernel times:
     the forward under the regime's name, forward + backward under "<regime>, fwd+bwd"; other lines are ignored. A
     shape given is passed on."""
-    kda_ab = load_kda_ab()
+    kda_ab = load_bench("kda_ab")
     out = "\n".join([
         "  regime profile 16x2048 strong decay, ours fwd: 4.945 ms of kernels: chunk_kda_fwd_scores_kernel 2.721 ms"
         " x2; chunk_kda_fwd_wy_kernel 1.284 ms x1",
@@ -160,7 +156,7 @@ def test_kda_ab_tree_with_a_launch_config(tmp_path, monkeypatch):
     """``prepare REV --name NAME --config JSON`` exports the revision as NAME with the config beside its src/, and
     every kda_kernels.py run on that tree gets ``--config JSON``; a tree without one runs the defaults; a config
     that is not JSON is refused before anything is exported."""
-    kda_ab = load_kda_ab()
+    kda_ab = load_bench("kda_ab")
     monkeypatch.chdir(ROOT)
     assert kda_ab.prepare(["HEAD"], str(tmp_path), name="capped", config='{"scores_regs": 168}') == 0
     assert (tmp_path / "capped" / "src" / "kimi_linear" / "ops").is_dir()
@@ -180,7 +176,7 @@ def test_kda_ab_tree_with_a_launch_config(tmp_path, monkeypatch):
 def test_kda_ab_saves_each_profile_and_tables_merge_calls(tmp_path, monkeypatch, capsys):
     """``run --save FILE`` rewrites FILE after every profile (a call cut short keeps what it measured), and
     ``table`` over several saved files shows each tree's median over all of their rounds."""
-    kda_ab = load_kda_ab()
+    kda_ab = load_bench("kda_ab")
     for t in ("A", "B"):
         (tmp_path / "trees" / t / "src").mkdir(parents=True)
     times = iter([1.0, 2.0, 3.0, 4.0])
