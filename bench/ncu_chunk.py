@@ -31,6 +31,10 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--no-fla", action="store_true", help="profile ours only")
     ap.add_argument("--lower-bound", action="store_true", help="the lower_bound=-5 gate (fla: safe_gate) for both")
+    ap.add_argument("--saturated", action="store_true",
+                    help="with --lower-bound: dt_bias ~ 0.1 N, so that the gates saturate at ~-2.5 a step (K3's "
+                         "saturated regime of bench/kda_kernels.py, whose chunks go by halves); else dt_bias ~ "
+                         "0.5 N - 4 (active gates)")
     ap.add_argument("--backward", action="store_true",
                     help="ours: the pipeline backward (recomputing every forward piece)")
     ap.add_argument("--config", default="{}",
@@ -42,7 +46,10 @@ def main() -> int:
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     q, k, v, g = (rnd(a.B, a.T, H, D).bfloat16() for _ in range(4))
     beta = rnd(a.B, a.T, H).bfloat16()
-    A_log, dt_bias = (rnd(H) * 0.5).float(), (rnd(H * D) * 0.5 - (4.0 if a.lower_bound else 0.0)).float()
+    if a.saturated and not a.lower_bound:
+        ap.error("--saturated needs --lower-bound")
+    shift = 0.0 if a.saturated or not a.lower_bound else 4.0
+    A_log, dt_bias = (rnd(H) * 0.5).float(), (rnd(H * D) * (0.1 if a.saturated else 0.5) - shift).float()
     lb = -5.0 if a.lower_bound else None
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               A_log=A_log, dt_bias=dt_bias)
