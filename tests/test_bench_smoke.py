@@ -235,6 +235,12 @@ def test_kda_grid_arguments(tmp_path):
     assert logs["grid"].rstrip().endswith("--shapes 16x2048")
     assert "--check --only check" in logs["check"] and "bench/fla_tests.py --jobs 8" in logs["fla_tests"]
     assert "== grid: exit 0" in done.stdout and "== fla_tests: exit 0" in done.stdout
+    ab = run_kda_grid(tmp_path, "--no-grid", "--ab", ".gl/x", "--backward", "--ab-shape", "1x32768",
+                      python=fake_python(tmp_path))
+    assert ab.returncode == 0, ab.stdout + ab.stderr
+    ab_log = (tmp_path / "out" / "ab.log").read_text()
+    assert "bench/kda_ab.py run .gl/x --rounds 2 --backward --shape 1x32768 --save" in ab_log
+    assert "--ab-shape takes a shape" in run_kda_grid(tmp_path, "--ab", ".gl/x", "--ab-shape").stderr
 
 
 def test_kda_grid_installs_fla_from_one_wheel_folder(tmp_path):
