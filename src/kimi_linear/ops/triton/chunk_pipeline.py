@@ -51,7 +51,6 @@ class LaunchConfig:
     store: str = "input"              # "input": bf16 intermediates for bf16 inputs; "float32": always float32
     scores_bks: int = 32              # key channels per step in the scores kernel
     scores_warps: int = 4
-    scores_rest_warps: int = 0        # the non-separable chunks' launch (0: scores_warps)
     scores_stages: int = 3            # software pipelining of its channel loop (1: none); see scores_tma
     # Chunks not separable as a whole but whose every 16-row sub-block's gate falls by less than 60 go through
     # two products per channel step (chunk_wy.halves_scores) inside the other chunks' launch
@@ -410,8 +409,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
-                num_warps=cfg.scores_warps if separable else cfg.scores_rest_warps or cfg.scores_warps,
-                num_stages=cfg.scores_stages,
+                num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
