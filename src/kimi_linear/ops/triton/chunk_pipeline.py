@@ -143,7 +143,12 @@ class LaunchConfig:
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
     # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
-    scores_regs: int = 0              # the separable chunks' launch (160 registers uncapped, no spills)
+    # The separable chunks' launch: capped at 128 (40 B of stack offline) it runs four programs an SM where
+    # uncapped (160, no spills) it ran three. H100, 16 x 2048 (2026-12-06, bench/kda_ab.py, two rounds), scores
+    # kernel 0.629 / 0.643 / 1.018 / 0.738 / 0.567 ms against 0.645 / 0.660 / 1.032 / 0.750 / 0.583 in the grid's
+    # five gate regimes; at 8 warps (101 registers, two an SM) 0.770-0.794 in the mild regimes. 16-bit inputs
+    # only: float32 inputs' exact products hold far more (offline: 1848 B of stack capped against 1040 uncapped)
+    scores_regs: int = 128
     # The other chunks' launch (halves and blocked schemes; offline sm_90 capped at 168: 296 B of stack): capped at
     # 168 it runs two programs an SM. H200, 2026-12-03 (the sub-block scheme then), scores kernel ms at 16x2048,
     # bench gates / layer init / strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 /
@@ -410,7 +415,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
                 Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
-                **reg_cap(cfg.scores_regs if separable else cfg.scores_rest_regs), **shared,
+                **reg_cap(cfg.scores_rest_regs if not separable else cfg.scores_regs if halves else 0), **shared,
             )
     # STAGE 0: the inverse and the WY factors in one program; 2: the factors from the inverse kept in memory
     if factors is None:
