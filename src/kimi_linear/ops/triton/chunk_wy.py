@@ -502,13 +502,8 @@ def halves_scores(
     o_t = tl.arange(0, BT)
     s_r = (o_t // BC)[:, None]                                             # [BT, 1] sub-block of each row
     m_h1 = s_r >= 2                                                        # [BT, 1] rows of half 1
-    # Half-height products: rows of half 0 meet only columns of half 0 ([BT / 2, BT / 2] accumulators), rows of
-    # half 1 all columns ([BT / 2, BT]), where full-height products with half the rows masked to zero did twice
-    # the work
-    b_aq0 = tl.zeros([BT // 2, BT // 2], dtype=tl.float32)
-    b_ak0 = tl.zeros([BT // 2, BT // 2], dtype=tl.float32)
-    b_aq1 = tl.zeros([BT // 2, BT], dtype=tl.float32)
-    b_ak1 = tl.zeros([BT // 2, BT], dtype=tl.float32)
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for c0 in range(0, K, BKS):
         o_k = c0 + tl.arange(0, BKS)
         b_P = chunk_tile(gP, d_gP, bos, t0, T_n, i_hv, HV, K, c0, BKS, BT, TMA)           # [BT, BKS]
@@ -517,26 +512,16 @@ def halves_scores(
         b_k = chunk_tile(k, d_k, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_q = chunk_tile(q, d_q, bos, t0, T_n, i_h, H, K, c0, BKS, BT, TMA).to(tl.float32)   # [BT, BKS]
         b_kc = b_k * fast_exp(-b_D)                                        # [BT, BKS] same-half columns
-        b_kc0, _ = row_halves(tf32_operand(b_kc, PREC))                    # [BT / 2, BKS] columns of half 0
-        b_c1 = tl.trans(tf32_operand(tl.where(m_h1, b_kc, b_k * fast_exp(b_X + b_t2[None, :])), PREC))   # [BKS, BT]
+        b_c0 = tl.trans(tf32_operand(b_kc, PREC))                          # [BKS, BT] for rows of half 0
+        b_c1 = tl.trans(tf32_operand(tl.where(m_h1, b_kc, b_k * fast_exp(b_X + b_t2[None, :])), PREC))
         b_eD = fast_exp(b_D)
-        b_qr0, b_qr1 = row_halves(tf32_operand(b_q * b_eD, PREC))          # [BT / 2, BKS] x2
-        b_kr0, b_kr1 = row_halves(tf32_operand(b_k * b_eD, PREC))
-        b_c0 = tl.trans(b_kc0)                                             # [BKS, BT / 2]
-        b_aq0 = mm_rounded(b_qr0, b_c0, b_aq0, PREC)
-        b_ak0 = mm_rounded(b_kr0, b_c0, b_ak0, PREC)
-        b_aq1 = mm_rounded(b_qr1, b_c1, b_aq1, PREC)
-        b_ak1 = mm_rounded(b_kr1, b_c1, b_ak1, PREC)
-    return halves_tile(b_aq0, b_aq1), halves_tile(b_ak0, b_ak1)
-
-
-@triton.jit
-def halves_tile(b_a0, b_a1):
-    """[BT, BT] from :func:`halves_scores`' accumulators: rows of half 0 ([BT / 2, BT / 2], zeros beside them) above
-    the rows of half 1 ([BT / 2, BT])."""
-    H2: tl.constexpr = b_a0.shape[0]
-    b_top = tl.reshape(tl.permute(tl.join(b_a0, tl.zeros_like(b_a0)), (0, 2, 1)), (H2, 2 * H2))   # [H2, BT]
-    return tl.reshape(tl.permute(tl.join(b_top, b_a1), (2, 0, 1)), (2 * H2, 2 * H2))
+        b_qr = tf32_operand(b_q * b_eD, PREC)                              # [BT, BKS]
+        b_kr = tf32_operand(b_k * b_eD, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, 0.0, b_qr), b_c0, b_aq, PREC)
+        b_aq = mm_rounded(tl.where(m_h1, b_qr, 0.0), b_c1, b_aq, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, 0.0, b_kr), b_c0, b_ak, PREC)
+        b_ak = mm_rounded(tl.where(m_h1, b_kr, 0.0), b_c1, b_ak, PREC)
+    return b_aq, b_ak
 
 
 @triton.jit
