@@ -142,7 +142,8 @@ class LaunchConfig:
     bwd_sub_regs: int = 168           # that launch's register cap (0: bwd_regs)
     # Register caps (ptxas maxnreg; 0: the compiler's choice). Uncapped, ptxas gives the small-tile kernels
     # 200-255 registers a thread, which leaves room for one or two programs per SM and nothing to hide latency.
-    # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md).
+    # The defaults are the fastest of the H200 sweeps of 2026-12-01 (`bench/kda_kernels.py --sweep`, BENCHMARKS.md)
+    # unless a later measurement is named beside one.
     # The separable chunks' launch: capped at 128 (40 B of stack offline) it runs four programs an SM where
     # uncapped (160, no spills) it ran three. H100, 16 x 2048 (2026-12-06, bench/kda_ab.py, two rounds), scores
     # kernel 0.629 / 0.643 / 1.018 / 0.738 / 0.567 ms against 0.645 / 0.660 / 1.032 / 0.750 / 0.583 in the grid's
