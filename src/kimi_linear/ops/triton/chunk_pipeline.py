@@ -56,8 +56,8 @@ class LaunchConfig:
     # two products per channel step (chunk_wy.halves_scores) inside the other chunks' launch
     # (chunk_wy.blocked_scores), for 16-bit inputs (float32 takes the blocked scheme: the by-halves launch needs
     # more shared memory than the card has). H200, 2026-12-01, scores kernel ms at 16 x 2048 softplus /
-    # lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without them (by the sub-block scheme of then) and 0.95 / 0.72
-    # in a launch of their own. (Not a setting.)
+    # lower_bound: 0.90 / 0.66, against 1.60 / 0.66 without them (with an earlier form of the blocked path) and
+    # 0.95 / 0.72 in a launch of their own. (Not a setting.)
     # Training: the forward keeps the gate sums gP, Aqk, Akk, the inverse and the l2norm factors for the backward
     # (1,032 bytes per token and value head at K=V=128 with bf16 inputs, l2norm and the gate in the kernels, else
     # 1,160; the inputs are ~1 KiB; fla keeps its float32 gate sums, Aqk and its inverse in bf16 and l2-normalised
@@ -86,9 +86,9 @@ class LaunchConfig:
     # The same for the scores' q, k and gP tiles in all three paths (chunk_wy.separable_scores, halves_scores,
     # blocked_scores); it needs scores_stages > 1 to prefetch. H200 sweeps (2026-12-01), 16 x 2048, with
     # scores_stages=3 (2: 0.71, 4: 0.66 at lower_bound): separable scores 0.98 -> 0.89 ms softplus, 0.73 -> 0.65
-    # lower_bound, outputs bit-identical; the full-size checks pass. In the other two paths (2026-12-02, with the
-    # sub-block scheme then; offline sm_90 255 registers with 184 B of spills -> 247, none): strong decay's 3.67 ->
-    # 3.31 ms, the by-halves path 1.009 -> 1.018 (lower_bound saturated), the rest unchanged
+    # lower_bound, outputs bit-identical; the full-size checks pass. In the other two paths (2026-12-02, with an
+    # earlier form of the blocked path; offline sm_90 255 registers with 184 B of spills -> 247, none): strong
+    # decay's 3.67 -> 3.31 ms, the by-halves path 1.009 -> 1.018 (lower_bound saturated), the rest unchanged
     scores_tma: bool = True
     # value columns per program of the state scans (forward and backward); 0: 64 when that still gives two programs
     # per SM (16 x 2048 tokens, H=32: fwd 0.47 / bwd 0.72 ms against 0.60 / 1.10 with 32 on the H200), else 32
@@ -151,7 +151,7 @@ class LaunchConfig:
     # only: float32 inputs' exact products hold far more (offline: 1848 B of stack capped against 1040 uncapped)
     scores_regs: int = 128
     # The other chunks' launch (halves and blocked schemes; offline sm_90 capped at 168: 296 B of stack): capped at
-    # 168 it runs two programs an SM. H200, 2026-12-03 (the sub-block scheme then), scores kernel ms at 16x2048,
+    # 168 it runs two programs an SM. H200, 2026-12-03 (an earlier blocked path), scores kernel ms at 16x2048,
     # bench gates / layer init / strong decay / lower_bound saturated / active: 0.637 / 0.663 / 2.721 / 0.871 /
     # 0.577; uncapped 0.02-0.16 ms slower in every regime but strong decay, 0.03 ms faster there; H100, 2026-12-05,
     # the blocked scheme uncapped (236 registers, no spills) 0.15 ms slower under strong decay
@@ -160,8 +160,8 @@ class LaunchConfig:
     bwd_regs: int = 0
 
     def __post_init__(self):
-        # Launches of these kernels with fewer than 4 warps hit an illegal address on the H200 (Triton 3.6, sweep
-        # of 2026-12-01; which kernel is not yet known), so they are refused here.
+        # Launches of these kernels with fewer than 4 warps hit an illegal address on the H200 (Triton 3.6, the
+        # 2026-12-01 sweep; the faulting kernel was not isolated), so they are refused here.
         for name in ("scores_warps", "wy_warps"):
             if getattr(self, name) < 4:
                 raise ValueError(f"LaunchConfig.{name} must be >= 4 (got {getattr(self, name)}): 2-warp launches "
@@ -408,8 +408,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
                   BC=BC, **flags)
     if kept is None:
         # two launches: the separable chunks, and the rest (by halves, banded or blocked, chunk_wy)
-        # float32 inputs take the blocked scheme: by halves has not run on the GPU with exact float32 products (a
-        # float32 launch failure on 2026-12-01 was first blamed on it; it was the backward scan, see h_stages)
+        # float32 inputs take the blocked scheme: the by-halves launch with exact float32 products needs more shared
+        # memory than the card has (LaunchConfig's note on the by-halves chunks)
         halves = p.prec == "tf32"
         sep_regs = cfg.scores_regs if halves else 0       # float32's separable launch uncapped (scores_regs says why)
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)

@@ -222,7 +222,7 @@ def clamped_diagonal(
     diagonal blocks and above the diagonal. A loop of its own after the chunk's other products, as
     :func:`diagonal_levels` is for float32, so that neither loop holds the other's tiles. BKS = 16 channels a step
     (H100, 16 x 2048, strong decay: scores 2.21 ms against 2.34 with 32-channel steps and 2.46 with the
-    reference-row levels, in the sub-block scheme of then)."""
+    reference-row levels, with an earlier form of the blocked path)."""
     NB: tl.constexpr = BT // BC
     b_aq = tl.zeros([NB, BC, BC], dtype=tl.float32)
     b_ak = tl.zeros([NB, BC, BC], dtype=tl.float32)
