@@ -636,3 +636,44 @@ def test_scores_descriptors_whatever_the_value_width(monkeypatch):
     assert scores and tiles and all(tma for _, tma in tiles)      # the WY kernel's too (its steps divide V)
     o_ref, S_ref = reference(x, NO_OPTIONS)
     assert rel_err(o, o_ref) < tol(torch.bfloat16) and rel_err(S, S_ref) < tol(torch.bfloat16)
+
+
+def test_prepare_marks_each_chunks_scheme(monkeypatch):
+    """The prepare kernel's int8 per chunk and value head (chunk_common.forward_kind), which both scores launches
+    read instead of deciding each for itself, against the three criteria recomputed in float64 from the same gates:
+    separable (every channel falls by less than HALF_LIMIT = 80 over each 32-row half), bounded (by less than
+    HALVES_LIMIT = 60 over each 16-row sub-block) and far (by more than BAND_LIMIT = 20 over sub-blocks 1 and 2 in
+    every channel). Value heads stepping about -0.5, -1.3, -2.4 and -6 a step set and clear each bit (-1.3 falls
+    ~20.8 over a sub-block, so noise decides far); packed sequences whose lengths are not multiples of 64 mark
+    their last chunks by their own rows (a sub-block past the end sums to zero)."""
+    from kimi_linear.ops.triton import chunk_pipeline
+
+    seen = []
+    real = chunk_pipeline.chunk_kda_prepare_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                out = real[grid](**kw)
+                seen.append(kw["kinds"].clone())
+                return out
+            return launch
+
+    monkeypatch.setattr(chunk_pipeline, "chunk_kda_prepare_kernel", Spy())
+    cu = torch.tensor([0, 100, 100, 230, 300])
+    steps = (-0.5, -1.3, -2.4, -6.0)
+    x = stepped_gates(make_inputs(B=1, T=300, H=1, HV=len(steps), K=32, V=16, N=4, seed=80), steps, seed=81)
+    chunk_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], False, NO_OPTIONS, cu)
+    g = x["g"].double()[0]                                                 # [T, HV, K]
+    want = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for t0 in range(s, e, 64):
+            tot = [g[min(a, e):min(a + 16, e)].sum(0) for a in range(t0, t0 + 64, 16)]   # [HV, K] each
+            sep = torch.maximum(-(tot[0] + tot[1]), -(tot[2] + tot[3])).amax(-1) < 80
+            bounded = -torch.stack(tot).amin((0, 2)) < 60
+            far = torch.maximum(tot[1], tot[2]).amax(-1) < -20
+            want.append((1 * sep + 2 * bounded + 4 * far).tolist())
+    got = seen[-1].tolist()
+    assert got == want
+    for bit in (1, 2, 4):                                                   # each bit both set and clear
+        assert 0 < sum(kind & bit != 0 for row in want for kind in row) < len(want) * len(steps)
