@@ -397,29 +397,14 @@ def chunk_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl
     return halves_fall_little(b_t0, b_t1, b_t2, b_t3), sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, HALF_LIMIT)
 
 
-# The forward's bound on a sub-block's fall for the halves path: its rows of half 1 carry exp(D) up to exp(60)
-# against columns across the halves <= 1, so a column factor that underflows (below exp(-87)) drops a term below
-# exp(-27); at 80 (HALF_LIMIT, the score gradients' bound) that would be exp(-7). Two products a step where
-# three ran with the bound at 80 (H100, 16 x 2048, bench/kda_ab.py: K3's saturated gates' scores 0.855 -> 0.748 ms;
-# the mild regimes' within 0.015 ms)
-HALVES_LIMIT: tl.constexpr = tl.constexpr(60.0)
-
-# The forward's scheme for a chunk's scores, as bits of one int8 per chunk and value head that the prepare kernel
-# writes and both scores launches read (chunk_wy.chunk_kda_fwd_scores_kernel), so that they cannot disagree and
-# neither reloads the chunk's sub-block totals to decide
-KIND_SEPARABLE: tl.constexpr = tl.constexpr(1)    # chunk_separable: one product a channel step
-KIND_BOUNDED: tl.constexpr = tl.constexpr(2)      # sub_blocks_fall_little at HALVES_LIMIT: by halves
-KIND_FAR: tl.constexpr = tl.constexpr(4)          # sub_blocks_fall_far: by bands
-
-
 @triton.jit
-def forward_kind(b_t0, b_t1, b_t2, b_t3, o_k, K: tl.constexpr):
-    """The chunk's KIND_* bits from its four sub-block totals at channels o_k ([len(o_k)] each, zero past K)."""
-    sep = halves_fall_little(b_t0, b_t1, b_t2, b_t3)
-    bounded = sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, HALVES_LIMIT)
-    far = sub_blocks_fall_far(b_t1, b_t2, o_k, K)
-    return (tl.where(sep, KIND_SEPARABLE, 0) + tl.where(bounded, KIND_BOUNDED, 0)
-            + tl.where(far, KIND_FAR, 0)).to(tl.int8)
+def sub_blocks_kind(gP, bos, t0, T_n, i_hv, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+                    LIMIT: tl.constexpr):
+    """(:func:`sub_blocks_fall_little` at LIMIT, :func:`sub_blocks_far`) of the chunk at t0 from one load of its
+    sub-block totals, for the forward's launch of the chunks that are not separable, which asks both."""
+    o_k = tl.arange(0, BK)
+    b_t0, b_t1, b_t2, b_t3 = sub_block_totals(gP, bos, t0, T_n, i_hv, HV, K, o_k, BC)   # [BK] x4
+    return sub_blocks_fall_little(b_t0, b_t1, b_t2, b_t3, LIMIT), sub_blocks_fall_far(b_t1, b_t2, o_k, K)
 
 
 # A gate falling by more than this over a 16-row sub-block in every channel: pairs across that sub-block have

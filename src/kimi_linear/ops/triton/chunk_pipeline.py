@@ -379,9 +379,8 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
     IS_VARLEN = p.cu_seqlens is not None
     if kept is None:
         gP = p.empty(B, T, HV, K)
-        kinds = torch.empty(max(NT, 1), HV, dtype=torch.int8, device=g.device)
         chunk_kda_prepare_kernel[p.grid(1, HV)](
-            g=g, gP=gP, kinds=kinds, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
+            g=g, gP=gP, **p.varlen(), **p.gate(), T=T, NT=p.NT_seq,
             HV=HV, K=K, BT=BT, BC=BC, BK=p.BK, IS_VARLEN=IS_VARLEN,
             num_warps=4,
         )
@@ -416,7 +415,7 @@ def forward_pieces(p: Problem, q, k, v, g, beta, initial_state, output_final_sta
         tiles = tile_descriptors(p, cfg.scores_tma, dict(d_q=q, d_k=k, d_gP=gP), bks, bks)
         for separable in (True, False):
             chunk_kda_fwd_scores_kernel[p.grid(1, HV)](
-                kinds=kinds, Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
+                Aqk=Aqk, Akk=Akk, BK=p.BK, BKS=bks, SEPARABLE=separable, HALVES=halves, **tiles,
                 num_warps=cfg.scores_warps, num_stages=cfg.scores_stages,
                 **reg_cap(sep_regs if separable else cfg.scores_rest_regs), **shared,
             )

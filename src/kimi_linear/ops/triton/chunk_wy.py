@@ -4,12 +4,11 @@
 
     Aqk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)    (j <= i)       Akk[i, j] = same with k_i, j < i (no beta)
 
-as [BT, BKS] x [BKS, BT] tensor-core products per channel step. The prepare kernel marks each chunk's scheme
-(chunk_common.forward_kind), and two launches read the marks: chunks whose gate falls by less than HALF_LIMIT over
-each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step (:func:`separable_scores`);
-of the others, those whose gate falls by less than HALVES_LIMIT over each 16-row sub-block go by halves
-(:func:`halves_scores`), 16-bit inputs whose gate falls by more than BAND_LIMIT over sub-blocks 1 and 2 in every
-channel by bands (:func:`banded_scores`: the diagonal blocks and the ones just below
+as [BT, BKS] x [BKS, BT] tensor-core products per channel step. Two launches: chunks whose gate falls by less than
+HALF_LIMIT over each 32-row half (chunk_common.chunk_separable, most chunks) need one product per step
+(:func:`separable_scores`); of the others, those whose gate falls by less than HALVES_LIMIT over each 16-row
+sub-block go by halves (:func:`halves_scores`), 16-bit inputs whose gate falls by more than BAND_LIMIT over
+sub-blocks 1 and 2 in every channel by bands (:func:`banded_scores`: the diagonal blocks and the ones just below
 them; the rest are below exp(-BAND_LIMIT)), and the rest by column blocks (:func:`blocked_scores`): each
 16-row block of columns against the rows after it, with factors all <= 1 linked between blocks by per-channel
 vectors, so nothing overflows at any gate. Their diagonal blocks take a pass of their own: one batched product
@@ -35,14 +34,12 @@ import triton
 import triton.language as tl
 
 from .chunk_common import (
-    KIND_BOUNDED,
-    KIND_FAR,
-    KIND_SEPARABLE,
     bf16_split,
     block_of,
     channel_halves,
     chunk_coords,
     chunk_gate_terms,
+    chunk_separable,
     clamped_diagonal_factors,
     diagonal_block_inverses,
     gate_terms,
@@ -65,6 +62,7 @@ from .chunk_common import (
     store_row_norms,
     store_rows,
     sub_block_totals,
+    sub_blocks_kind,
     tf32_operand,
     vector_halves,
 )
@@ -474,6 +472,14 @@ def separable_scores(
     return b_aq, b_ak
 
 
+# The forward's bound on a sub-block's fall for the halves path: its rows of half 1 carry exp(D) up to exp(60)
+# against columns across the halves <= 1, so a column factor that underflows (below exp(-87)) drops a term below
+# exp(-27); at 80 (HALF_LIMIT, the score gradients' bound) that would be exp(-7). Two products a step where
+# three ran with the bound at 80 (H100, 16 x 2048, bench/kda_ab.py: K3's saturated gates' scores 0.855 -> 0.748 ms;
+# the mild regimes' within 0.015 ms)
+HALVES_LIMIT: tl.constexpr = tl.constexpr(60.0)
+
+
 @triton.jit
 def halves_scores(
     q, k, gP, bos, t0, T_n, i_h, i_hv,
@@ -521,7 +527,6 @@ def halves_scores(
 @triton.jit
 def chunk_kda_fwd_scores_kernel(
     q, k, gP, rq, rk,                 # [B, T, H, K] x2, [B, T, HV, K] f32, [B, T, H] f32 x2 (l2norm only)
-    kinds,                            # [NT, HV] int8: each chunk's KIND_* bits (chunk_prepare)
     Aqk, Akk,                         # out: [B, T, HV, BT] each (Akk float32, without beta)
     cu_seqlens, chunk_indices,        # varlen only
     T, NT,
@@ -530,32 +535,37 @@ def chunk_kda_fwd_scores_kernel(
     SEPARABLE: tl.constexpr, HALVES: tl.constexpr,
     d_q, d_k, d_gP, TMA: tl.constexpr,  # tensor descriptors (LaunchConfig.scores_tma), else the tensors again
 ):
-    """The chunks the prepare kernel marks separable (``SEPARABLE``, chunk_common.KIND_SEPARABLE), or the
-    others: launches that read the same marks, so every chunk is written exactly once, and each compiles only its
-    own path (the separable one capped at 128 registers a thread, the other at 168). ``HALVES`` (16-bit inputs): of
-    the others, those marked bounded per sub-block by :func:`halves_scores` (in this launch; a launch of their own
-    measured slower on the H200: 0.95 against 0.90 ms), those marked far by :func:`banded_scores`, the rest by
-    :func:`blocked_scores`; without it (float32 inputs) all by :func:`blocked_scores`."""
+    """The chunks :func:`chunk_separable` accepts (``SEPARABLE``), or the others: launches that evaluate the
+    same tests on the same numbers, so every chunk is written exactly once, and each compiles only its own path
+    (the separable one in 160 registers a thread, the other capped at 168). ``HALVES`` (16-bit inputs): of the
+    others, those that chunk_common.sub_blocks_kind finds bounded per sub-block by :func:`halves_scores` (in this
+    launch; a launch of their own measured slower on the H200: 0.95 against 0.90 ms), those it finds far by
+    :func:`banded_scores`, the rest by :func:`blocked_scores`; without it (float32 inputs) all by
+    :func:`blocked_scores`."""
     i_c, _, i_hv = grid_coords(1, HV)
-    kind = tl.load(kinds + i_c.to(tl.int64) * HV + i_hv).to(tl.int32)
-    if (kind & KIND_SEPARABLE) == (KIND_SEPARABLE if SEPARABLE else 0):     # a chunk of this launch
-        _n, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
-        t0, i_h = i_t * BT, i_hv // (HV // H)
-        if SEPARABLE:
+    _, i_t, bos, T_n = chunk_coords(i_c, cu_seqlens, chunk_indices, T, NT, IS_VARLEN)
+    t0, i_h = i_t * BT, i_hv // (HV // H)
+    sep = chunk_separable(gP, bos, t0, T_n, i_hv, HV, K, BK, BC)
+    if SEPARABLE:
+        if sep:
             b_aq, b_ak = separable_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS,
                                           PREC, d_q, d_k, d_gP, TMA)
-        elif not HALVES:                                  # float32 inputs
-            b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
-                                        d_q, d_k, d_gP, TMA)
-        elif (kind & KIND_BOUNDED) != 0:
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+    elif not sep:
+        bounded, banded = False, False
+        if HALVES:                                          # 16-bit inputs
+            bounded, banded = sub_blocks_kind(gP, bos, t0, T_n, i_hv, HV, K, BK, BC, HALVES_LIMIT)
+        if bounded:
             b_aq, b_ak = halves_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                        d_q, d_k, d_gP, TMA)
-        elif (kind & KIND_FAR) != 0:
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+        elif banded:
             b_aq, b_ak = banded_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, 16, PREC)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
         else:
             b_aq, b_ak = blocked_scores(q, k, gP, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BC, BKS, PREC,
                                         d_q, d_k, d_gP, TMA)
-        finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
+            finish_scores(q, k, rq, rk, Aqk, Akk, b_aq, b_ak, bos, t0, T_n, i_h, i_hv, H, HV, K, BT, BKS, USE_QK_L2NORM)
 
 
 @triton.jit
