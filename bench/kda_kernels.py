@@ -868,8 +868,8 @@ def offline_sm90(cfg_json: str) -> int:
             tri_conv(rnd(B, T, C).requires_grad_(), rnd(4, C).requires_grad_(), *extra).backward(rnd(B, T, C))
         tri_norm(*(rnd(B, T, HV, V).requires_grad_() for _ in range(2)), torch.randn(V).requires_grad_(),
                  1e-6).backward(rnd(B, T, HV, V))
-    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-           torch.int64: "*i64"}
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8",
+           torch.int32: "*i32", torch.int64: "*i64"}
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     seen = set()
     for fn, kw, dtypes in launches:
