@@ -10,7 +10,7 @@ then ``ncu -i R.ncu-rep --page source --csv --print-source sass`` (bench/ncu_hot
 Every kernel launched between ``cudaProfilerStart`` and ``cudaProfilerStop`` is profiled: ours (prepare, scores,
 WY, state scan, output) then fla's (with its autotuning already done in the warm-up). Inputs as in
 bench/kda_kernels.py (bf16, H=32, K=V=128, l2norm, gate and beta sigmoid in kernel), with the gate parameters of
-one of its gate regimes (``--regime``: a piece of its name, e.g. ``strong``, ``dt_bias ~ 0`` or ``active``; fla takes
+one of its gate regimes (``--regime``: a piece of exactly one name, e.g. ``strong``, ``-5, dt`` or ``active``; fla takes
 ``safe_gate`` with the lower_bound regimes).
 """
 
