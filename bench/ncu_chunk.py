@@ -45,7 +45,7 @@ def main() -> int:
     names = [n for n in REGIMES if a.regime.lower() in n.lower()]
     if len(names) != 1:
         ap.error(f"--regime {a.regime!r} names {len(names)} of the gate regimes ({'; '.join(REGIMES)}): give a "
-                 "word of exactly one")
+                 "piece of exactly one name")
     print(f"gate regime: {names[0]}", flush=True)
     x, lower_bound = make_regime(a.B, a.T, names[0])
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
