@@ -133,7 +133,7 @@ class LaunchConfig:
     # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
     bwd_halves_per_sm: int = 2
     bwd_halves_warps: int = 0         # that launch's warps (0: bwd_sep_warps)
-    bwd_halves_regs: int = 0          # and its register cap (0: none)
+    bwd_halves_regs: int = 0          # and its register cap (0: bwd_regs)
     # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
     # fit four an SM). H200, 16 x 2048 fwd+bwd, against a launch of one program per chunk and sub-block over every
     # chunk: strong decay 19.56 -> 19.22 ms, the other regimes 0.39-0.44 ms faster (their idle programs); 2 an SM:
