@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from kda_kernels import REGIMES, make_regime  # bench/ is the script's folder, first on sys.path
+from kda_kernels import REGIMES, args5, fla_opts, make_regime, opts  # bench/ is the script's folder, first on sys.path
 from kimi_linear.ops.gate import KernelOptions
 from kimi_linear.ops.triton.chunk import chunk_kda_fwd
 from kimi_linear.ops.triton.chunk_pipeline import DEFAULT_CONFIG, chunk_kda_bwd_pipeline
@@ -47,23 +47,18 @@ def main() -> int:
         ap.error(f"--regime {a.regime!r} names {len(names)} of the gate regimes ({'; '.join(REGIMES)}): give a "
                  "piece of exactly one name")
     print(f"gate regime: {names[0]}", flush=True)
-    x, lower_bound = make_regime(a.B, a.T, names[0])
-    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    x, lb = make_regime(a.B, a.T, names[0])
+    q, k, v, g, beta = args5(x)
     D = q.shape[-1]
-    lb = -5.0 if lower_bound else None
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-              A_log=x["A_log"], dt_bias=x["dt_bias"])
-    ours = lambda: chunk_kda_fwd(q, k, v, g, beta, D ** -0.5, None, True, KernelOptions(lower_bound=lb, **kw),
-                                 None, cfg)
+    ko = KernelOptions(**opts(x, lb))
+    ours = lambda: chunk_kda_fwd(q, k, v, g, beta, D ** -0.5, None, True, ko, None, cfg)
     if a.backward:
         do = torch.randn_like(v)
-        ours = lambda: chunk_kda_bwd_pipeline(q, k, v, g, beta, D ** -0.5, None, KernelOptions(lower_bound=lb, **kw),
-                                              None, do, None, cfg)
+        ours = lambda: chunk_kda_bwd_pipeline(q, k, v, g, beta, D ** -0.5, None, ko, None, do, None, cfg)
     fla = None
     if not a.no_fla:
         from fla.ops.kda import chunk_kda
-        extra = dict(safe_gate=True, lower_bound=lb) if lower_bound else {}
-        fla = lambda: chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw, **extra)
+        fla = lambda: chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **fla_opts(x, lb))
     for fn in (ours, fla):
         if fn is not None:
             fn()
