@@ -129,11 +129,10 @@ class LaunchConfig:
     bwd_sep_bk: int = 32              # its key channels per loop step (64 spills heavily on sm_90)
     bwd_sep_warps: int = 4
     # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
-    # chunks that need them; 255 registers at 4 warps fit two an SM). The one value timed: H200, 16 x 2048, K3's
-    # saturated gates (every chunk listed) 3.93 ms, against 5.52 for the same chunks by sub-blocks
+    # chunks that need them; 255 registers at 4 warps fit two an SM). H200, 16 x 2048, K3's saturated gates (every
+    # chunk listed): 3.93 ms, against 5.52 for the same chunks by sub-blocks. H100, the same input (2026-12-06): 3.93
+    # ms so, 6.29 at 8 warps one an SM (236 registers, no stack), 6.71 capped at 168 registers three an SM (976 B)
     bwd_halves_per_sm: int = 2
-    bwd_halves_warps: int = 0         # that launch's warps (0: bwd_sep_warps)
-    bwd_halves_regs: int = 0          # and its register cap (0: bwd_regs)
     # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
     # fit four an SM). H200, 16 x 2048 fwd+bwd, against a launch of one program per chunk and sub-block over every
     # chunk: strong decay 19.56 -> 19.22 ms, the other regimes 0.39-0.44 ms faster (their idle programs); 2 an SM:
@@ -568,8 +567,7 @@ def chunk_kda_bwd_pipeline(
                   count=count, L=L)
     if by_halves:
         chunk_kda_bwd_listed_kernel[(cfg.bwd_halves_per_sm * num_sms(q.device),)](
-            **dict(listed, **reg_cap(cfg.bwd_halves_regs)), SUB=False, BK=BKs,
-            num_warps=cfg.bwd_halves_warps or cfg.bwd_sep_warps, num_stages=1)
+            **listed, SUB=False, BK=BKs, num_warps=cfg.bwd_sep_warps, num_stages=1)
     chunk_kda_bwd_listed_kernel[(cfg.bwd_sub_per_sm * num_sms(q.device),)](
         **dict(listed, **reg_cap(cfg.bwd_sub_regs)), SUB=True, BK=BKi, num_warps=cfg.bwd_intra_warps or cfg.bwd_warps)
     dg = torch.empty_like(g)
