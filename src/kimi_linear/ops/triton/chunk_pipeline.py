@@ -131,7 +131,7 @@ class LaunchConfig:
     # Programs per SM of the score gradients by halves (chunk_bwd.chunk_kda_bwd_listed_kernel, looping over the
     # chunks that need them; 255 registers at 4 warps fit two an SM). H200, 16 x 2048, K3's saturated gates (every
     # chunk listed): 3.93 ms, against 5.52 for the same chunks by sub-blocks. H100, the same input (2026-12-06): 3.93
-    # ms so, 6.29 at 8 warps one an SM (236 registers, no stack), 6.71 capped at 168 registers three an SM (976 B)
+    # ms as set, 6.29 at 8 warps one an SM (236 registers, no stack), 6.71 capped at 168 three an SM (976 B of stack)
     bwd_halves_per_sm: int = 2
     # The same for the other listed chunks' sub-block scheme (chunk_bwd.sub_block_grads; 255 registers at 2 warps
     # fit four an SM). H200, 16 x 2048 fwd+bwd, against a launch of one program per chunk and sub-block over every
